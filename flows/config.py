@@ -1,0 +1,147 @@
+"""Round and campaign configuration: one model per stage, composed here, validated at construction.
+
+The flow parameters are these pydantic models, so the Prefect UI renders them as forms and a
+config file is checked field by field (unknown fields are errors, not silently ignored).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from tasks.evaluate import EvaluateConfig
+from tasks.filter import FilterConfig
+from tasks.prompts import PromptsConfig
+from tasks.publish import PublishConfig
+from tasks.rollout import RolloutConfig
+from tasks.train import TrainConfig
+from tasks.verify import VerifyConfig
+
+BUILTIN_BASE = "builtin"
+RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+class ConfigError(ValueError):
+    pass
+
+
+class PolicyConfig(BaseModel):
+    """The policy a campaign starts from."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    base_model: str = BUILTIN_BASE
+    """'builtin' (the tiny addition Llama, built on first use and cached under the storage root) or a
+    local Hugging Face causal-LM directory."""
+
+    @field_validator("base_model")
+    @classmethod
+    def _exists(cls, v: str) -> str:
+        if v != BUILTIN_BASE and "://" not in v and not os.path.isdir(v):
+            raise ValueError(f"base model directory {v!r} does not exist; set policy.base_model to 'builtin' or a Hugging Face causal-LM directory")
+        return v
+
+
+class RoundConfig(BaseModel):
+    """Everything one round does, stage by stage."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    policy: PolicyConfig = PolicyConfig()
+    prompts: PromptsConfig = PromptsConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    verify: VerifyConfig = VerifyConfig()
+    filter: FilterConfig = FilterConfig()
+    train: TrainConfig = TrainConfig()
+    publish: PublishConfig = PublishConfig()
+    evaluate: EvaluateConfig = EvaluateConfig()
+    seed: int = 0
+    """Seeds prompt order and sampling; a round's seed is derived from it and the round index."""
+
+    @property
+    def target_groups(self) -> int:
+        """Trainable groups a round collects: one minibatch of groups per optimizer step."""
+        return self.train.groups_per_step * self.train.steps_per_round
+
+    @property
+    def verifier(self) -> str:
+        return self.verify.verifier or self.prompts.task
+
+    def config_hash(self) -> str:
+        canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+    @model_validator(mode="after")
+    def _verifier_known(self) -> "RoundConfig":
+        from tasks.verify import VERIFIERS
+
+        if self.verifier not in VERIFIERS:
+            raise ValueError(f"no verifier named {self.verifier!r}; set verify.verifier to one of: {', '.join(sorted(VERIFIERS))}")
+        return self
+
+
+class CampaignConfig(BaseModel):
+    """A campaign: rounds that each start from the previous round's checkpoint."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rounds: int = Field(16, ge=1, le=10_000)
+    """Rounds to run."""
+    run_id: str | None = None
+    """Campaign id (directory and MLflow tag). Default: a fresh one. Reuse one to resume."""
+    experiment: str = "rlrounds"
+    """MLflow experiment holding the campaign run and its round runs."""
+    stop_at_accuracy: float | None = Field(None, ge=0.0, le=1.0)
+    """Stop early once a round's serving-precision held-out accuracy reaches this."""
+    round: RoundConfig = RoundConfig()
+
+    @field_validator("run_id")
+    @classmethod
+    def _run_id_safe(cls, v: str | None) -> str | None:
+        if v is not None and not RUN_ID_PATTERN.match(v):
+            raise ValueError(f"run_id {v!r} must be 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit")
+        return v
+
+
+def load_campaign_config(path: str | None, **overrides) -> CampaignConfig:
+    """Read a YAML/JSON config file (or none) and apply CLI overrides; errors name the field and the fix."""
+    data: dict = {}
+    if path:
+        if not os.path.exists(path):
+            raise ConfigError(f"config file {path} does not exist; pass an existing YAML or JSON file with --config")
+        with open(path) as f:
+            text = f.read()
+        try:
+            if path.endswith(".json"):
+                data = json.loads(text)
+            else:
+                import yaml
+
+                data = yaml.safe_load(text) or {}
+        except Exception as exc:  # noqa: BLE001 -- any parse error is the file's
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ConfigError(f"config file {path} is not valid {'JSON' if path.endswith('.json') else 'YAML'}: {first}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of fields (rounds, round: {{...}}), not {type(data).__name__}")
+    for key, value in overrides.items():
+        if value is not None:
+            data[key] = value
+    try:
+        return CampaignConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(describe_validation_error(exc, path)) from None
+
+
+def describe_validation_error(exc: ValidationError, path: str | None) -> str:
+    err = exc.errors()[0]
+    where = ".".join(str(p) for p in err["loc"]) or "config"
+    source = f"{path}: " if path else ""
+    if err["type"] == "extra_forbidden":
+        return f"{source}unknown field {where!r}; remove it or check its spelling against `rlrounds config`"
+    msg = err["msg"].removeprefix("Value error, ")
+    more = f" (and {len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
+    return f"{source}{where}: {msg}{more}"

@@ -1,0 +1,313 @@
+"""Rollout engines: groups of (prompt x n samples) in, finished samples out as they finish.
+
+The interface is what the rollout stage, the vLLM engine and Ray replicas share:
+
+    engine.generate(groups) -> Iterator[GeneratedSample]     # in finish order, not start order
+    engine.load_weights(checkpoint_dir, policy_version)      # in place, no restart
+
+``EmbeddedEngine`` runs any Hugging Face causal LM with torch on the current process: a KV-cached
+decode loop that removes a sequence from the batch the moment it finishes (so the long tail does
+not keep finished rows computing) and admits waiting sequences into the freed slots.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterable, Iterator, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 8
+    seed: int = 0
+    ignore_eos: bool = False  # benchmarks only: generate exactly max_tokens
+
+    def as_dict(self) -> dict:
+        return {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed, "max_tokens": self.max_tokens}
+
+
+@dataclass(frozen=True)
+class GroupRequest:
+    """One prompt to be sampled ``n`` times; the unit the router keeps on one replica."""
+
+    group_id: str
+    prompt_token_ids: tuple[int, ...]
+    n: int
+    sampling: SamplingParams
+
+
+@dataclass
+class GeneratedSample:
+    group_id: str
+    sample_index: int
+    prompt_token_ids: tuple[int, ...]
+    token_ids: list[int]
+    logprobs: list[float]  # behaviour logprobs of the sampled tokens under the sampling distribution
+    token_policy_versions: list[int]
+    finish_reason: str  # stop | length | abort
+    started_at: float  # time.time() when its prefill began
+    finished_at: float
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    name: str
+    version: str
+    dtype: str
+
+
+class Engine(Protocol):
+    info: EngineInfo
+    policy_version: int
+
+    def generate(self, groups: Iterable[GroupRequest]) -> Iterator[GeneratedSample]: ...
+
+    def load_weights(self, checkpoint_dir: str, policy_version: int) -> float:
+        """Serve new weights in place; returns the seconds the engine could not serve."""
+        ...
+
+
+def sample_seed(seed: int, group_id: str, sample_index: int) -> int:
+    """A per-sample seed that does not depend on batching, so samples reproduce whatever the schedule."""
+    import hashlib
+
+    digest = hashlib.blake2b(f"{seed}/{group_id}/{sample_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF
+
+
+@dataclass
+class _Sequence:
+    group: GroupRequest
+    sample_index: int
+    generator: "torch.Generator"
+    started_at: float = 0.0
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+
+class EmbeddedEngine:
+    """Torch sampling with a KV cache on this process. Default on CPU; works with any HF causal LM."""
+
+    def __init__(self, model, eos_token_id: int, pad_token_id: int, max_batch: int = 1024, policy_version: int = 0):
+        import torch
+
+        self.model = model.eval()
+        self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id
+        self.max_batch = max_batch
+        self.policy_version = policy_version
+        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        self.info = EngineInfo(name="embedded", version=f"torch-{torch.__version__}", dtype=dtype)
+
+    @classmethod
+    def from_pretrained(cls, checkpoint_dir: str, policy_version: int = 0, dtype: str = "float32", max_batch: int = 1024):
+        from models.policy import load_policy
+
+        model, tokenizer = load_policy(checkpoint_dir, dtype=dtype)
+        return cls(model, tokenizer.eos_token_id, tokenizer.pad_token_id, max_batch, policy_version)
+
+    def load_weights(self, checkpoint_dir: str, policy_version: int) -> float:
+        from models.policy import load_state_dict
+
+        state = load_state_dict(checkpoint_dir)  # read before pausing: only the copy blocks serving
+        paused = time.perf_counter()
+        self.model.load_state_dict(state)
+        self.policy_version = policy_version
+        return time.perf_counter() - paused
+
+    # -- decoding ------------------------------------------------------------------------------
+
+    def generate(self, groups: Iterable[GroupRequest]) -> Iterator[GeneratedSample]:
+        """Groups are pulled from ``groups`` only when slots free up, so a caller can stop feeding
+        (its iterator ends) the moment it has enough, and in-flight groups still finish."""
+        import torch
+
+        feed = iter(groups)
+        waiting: list[_Sequence] = []  # sequences of pulled groups not yet admitted
+
+        def pull(slots: int) -> list[_Sequence]:
+            while len(waiting) < slots:
+                group = next(feed, None)
+                if group is None:
+                    break
+                if group.n < 1 or group.sampling.max_tokens < 1:
+                    raise ValueError(f"group {group.group_id}: n and max_tokens must be >= 1")
+                for i in range(group.n):
+                    gen = torch.Generator().manual_seed(sample_seed(group.sampling.seed, group.group_id, i))
+                    waiting.append(_Sequence(group, i, gen))
+            admitted, waiting[:] = waiting[:slots], waiting[slots:]
+            return admitted
+
+        with torch.inference_mode():
+            batch = _Batch.empty()
+            while True:
+                if batch.size:
+                    self._decode_step(batch)  # feed the tokens sampled last step; fresh logits for all rows
+                # Refill once half the slots are free: one prefill per wave amortises its cost.
+                if batch.size <= self.max_batch // 2:
+                    admitted = pull(self.max_batch - batch.size)
+                    if admitted:
+                        batch = batch.merge(self._prefill(admitted))
+                if not batch.size:
+                    return
+                yield from self._sample_and_retire(batch)
+
+    def _prefill(self, seqs: list[_Sequence]) -> "_Batch":
+        import torch
+
+        now = time.time()
+        width = max(len(s.group.prompt_token_ids) for s in seqs)
+        ids = torch.full((len(seqs), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for row, s in enumerate(seqs):
+            s.started_at = now
+            prompt = s.group.prompt_token_ids
+            ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            mask[row, width - len(prompt) :] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+        return _Batch(seqs, out.past_key_values, mask, positions[:, -1] + 1, out.logits[:, -1, :].float())
+
+    def _decode_step(self, batch: "_Batch") -> None:
+        import torch
+
+        ids = batch.last_tokens.unsqueeze(-1)  # [B, 1]
+        batch.mask = torch.cat([batch.mask, torch.ones_like(ids)], dim=-1)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=batch.mask,
+            position_ids=batch.next_pos.unsqueeze(-1),
+            cache=batch.cache,
+            use_cache=True,
+        )
+        batch.cache = out.past_key_values
+        batch.next_pos = batch.next_pos + 1
+        batch.logits = out.logits[:, -1, :].float()
+
+    def _sample_and_retire(self, batch: "_Batch") -> Iterator[GeneratedSample]:
+        import torch
+
+        tokens, logprobs = sample_tokens(batch.logits, batch.seqs, self.eos_token_id)
+        batch.last_tokens = tokens
+        now = time.time()
+        keep: list[int] = []
+        for row, s in enumerate(batch.seqs):
+            token = int(tokens[row])
+            s.tokens.append(token)
+            s.logprobs.append(float(logprobs[row]))
+            s.versions.append(self.policy_version)
+            stop = token == self.eos_token_id and not s.group.sampling.ignore_eos
+            if stop or len(s.tokens) >= s.group.sampling.max_tokens:
+                yield GeneratedSample(
+                    s.group.group_id, s.sample_index, s.group.prompt_token_ids, s.tokens, s.logprobs,
+                    s.versions, "stop" if stop else "length", s.started_at, now,
+                )
+            else:
+                keep.append(row)
+        if len(keep) < len(batch.seqs):
+            batch.select(torch.tensor(keep, dtype=torch.long))
+
+
+def sample_tokens(logits: "torch.Tensor", seqs: list[_Sequence], eos_token_id: int) -> tuple["torch.Tensor", "torch.Tensor"]:
+    """Sample one token per row; return it and its logprob under the distribution it was drawn from.
+
+    logits: [B, V] float32. Each row uses its own temperature, top-p and generator (Gumbel-max on the
+    processed logits is an exact sample of softmax(processed logits)). Temperature 0 is greedy and
+    reports the logprob under the unscaled distribution.
+    """
+    import torch
+
+    temps = torch.tensor([s.group.sampling.temperature for s in seqs], dtype=logits.dtype)
+    top_ps = torch.tensor([s.group.sampling.top_p for s in seqs], dtype=logits.dtype)
+    for row, s in enumerate(seqs):  # benchmarks: never sample eos when it is ignored
+        if s.group.sampling.ignore_eos:
+            logits[row, eos_token_id] = float("-inf")
+    greedy = temps == 0
+    scaled = logits / torch.where(greedy, torch.ones_like(temps), temps).unsqueeze(-1)  # [B, V]
+    if bool((top_ps < 1).any()):
+        scaled = _top_p_filter(scaled, top_ps)
+    logp = torch.log_softmax(scaled, dim=-1)  # [B, V]
+    noise = torch.stack([torch.rand(logits.shape[-1], generator=s.generator) for s in seqs])  # [B, V]
+    gumbel = -torch.log(-torch.log(noise.clamp(min=1e-20)))
+    sampled = torch.where(greedy, scaled.argmax(-1), (logp + gumbel).argmax(-1))  # [B]
+    return sampled, logp.gather(-1, sampled.unsqueeze(-1)).squeeze(-1)
+
+
+def _top_p_filter(scaled: "torch.Tensor", top_ps: "torch.Tensor") -> "torch.Tensor":
+    """Keep the smallest set of tokens whose probability reaches top_p (per row); mask the rest."""
+    import torch
+
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(-1)
+    before = probs.cumsum(-1) - probs  # mass of strictly more likely tokens
+    drop_sorted = before >= top_ps.unsqueeze(-1)
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return scaled.masked_fill(drop, float("-inf"))
+
+
+@dataclass
+class _Batch:
+    """The running decode batch: sequences, their KV cache and 2-D attention mask (left-padded)."""
+
+    seqs: list[_Sequence]
+    cache: object
+    mask: "torch.Tensor"  # [B, L] 1 for real tokens
+    next_pos: "torch.Tensor"  # [B] position id of the next token
+    logits: "torch.Tensor"  # [B, V] logits for the next token
+    last_tokens: "torch.Tensor | None" = None
+
+    @classmethod
+    def empty(cls) -> "_Batch":
+        return cls([], None, None, None, None)  # type: ignore[arg-type]
+
+    @property
+    def size(self) -> int:
+        return len(self.seqs)
+
+    def select(self, rows: "torch.Tensor") -> None:
+        self.seqs = [self.seqs[i] for i in rows.tolist()]
+        if not self.seqs:
+            self.cache = None
+            return
+        self.cache.batch_select_indices(rows)
+        self.mask, self.next_pos, self.logits = self.mask[rows], self.next_pos[rows], self.logits[rows]
+        self.last_tokens = self.last_tokens[rows]
+
+    def merge(self, new: "_Batch") -> "_Batch":
+        """Join a freshly prefilled wave to the running batch; both must have logits ready.
+
+        Rows of different lengths share one cache by left-padding the shorter side with masked zeros.
+        """
+        if not self.seqs:
+            return new
+        import torch
+        from transformers import DynamicCache
+
+        width = max(self.mask.shape[1], new.mask.shape[1])
+
+        def pad(t: "torch.Tensor", dim: int) -> "torch.Tensor":
+            missing = width - t.shape[dim]
+            if missing == 0:
+                return t
+            shape = list(t.shape)
+            shape[dim] = missing
+            return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+        layers = [
+            (torch.cat([pad(a.keys, 2), pad(b.keys, 2)]), torch.cat([pad(a.values, 2), pad(b.values, 2)]))
+            for a, b in zip(self.cache.layers, new.cache.layers)
+        ]
+        return _Batch(
+            self.seqs + new.seqs,
+            DynamicCache(ddp_cache_data=layers),
+            torch.cat([pad(self.mask, 1), pad(new.mask, 1)]),
+            torch.cat([self.next_pos, new.next_pos]),
+            torch.cat([self.logits, new.logits]),
+        )

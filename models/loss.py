@@ -1,0 +1,121 @@
+"""GRPO-style policy-gradient loss: pure tensor math with its shapes stated.
+
+Notation per completion token t of sample i:
+    logp[i,t]        log pi_theta(token)           trainer, current weights (carries gradient)
+    behaviour[i,t]   log mu(token)                 engine, at sampling time
+    proximal[i,t]    log pi_old(token)             trainer at the weights the engine sampled with
+                                                   (optional; None -> behaviour stands in)
+    A[i]             group-normalised advantage of sample i
+
+    ratio = exp(logp - proximal)                                    # PPO trust region on the trainer's own numbers
+    tis   = min(exp(proximal - behaviour), tis_cap)  (detached)     # engine/trainer mismatch correction
+    loss  = -tis * min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)  [+ kl_coef * k3(logp, ref)]
+
+Aggregation "token" averages over every completion token in the batch (long answers weigh more);
+"sequence" averages tokens within a sample, then samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class LossInputs:
+    logprobs: "torch.Tensor"  # [B, T] trainer logprobs, with grad
+    behaviour_logprobs: "torch.Tensor"  # [B, T] engine logprobs
+    advantages: "torch.Tensor"  # [B]
+    mask: "torch.Tensor"  # [B, T] 1.0 on completion tokens
+    proximal_logprobs: "torch.Tensor | None" = None  # [B, T]
+    ref_logprobs: "torch.Tensor | None" = None  # [B, T] reference policy, for the KL penalty
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    tis_cap: float = 2.0
+    aggregation: str = "token"  # token | sequence
+    kl_coef: float = 0.0
+
+
+@dataclass
+class LossOutput:
+    loss: "torch.Tensor"  # scalar, differentiable
+    clip_fraction: float  # share of tokens whose ratio left the trust region in the direction of A
+    ratio_mean: float
+    tis_mean: float  # mean truncated importance weight (1.0 when engine and trainer agree)
+    tis_truncated_fraction: float
+    kl: float  # k3 estimate of KL(pi_theta || ref), 0 without a reference
+
+
+def masked_mean(x: "torch.Tensor", mask: "torch.Tensor") -> "torch.Tensor":
+    return (x * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def aggregate(per_token: "torch.Tensor", mask: "torch.Tensor", how: str) -> "torch.Tensor":
+    """[B, T] -> scalar."""
+    if how == "token":
+        return masked_mean(per_token, mask)
+    if how == "sequence":
+        per_sample = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)  # [B]
+        return per_sample.mean()
+    raise ValueError(f"unknown loss aggregation {how!r}; use 'token' or 'sequence'")
+
+
+def policy_loss(x: LossInputs, s: LossSettings) -> LossOutput:
+    import torch
+
+    mask = x.mask.float()
+    proximal = x.behaviour_logprobs if x.proximal_logprobs is None else x.proximal_logprobs
+    adv = x.advantages.unsqueeze(-1)  # [B, 1]
+    ratio = torch.exp(x.logprobs - proximal)  # [B, T]
+    clipped = ratio.clamp(1.0 - s.clip_low, 1.0 + s.clip_high)
+    surrogate = torch.minimum(ratio * adv, clipped * adv)  # [B, T]
+    if x.proximal_logprobs is None:
+        tis = torch.ones_like(ratio)
+    else:
+        raw = torch.exp(x.proximal_logprobs - x.behaviour_logprobs).detach()
+        tis = raw.clamp(max=s.tis_cap)
+    per_token = -tis * surrogate
+    kl = torch.zeros((), dtype=per_token.dtype)
+    if x.ref_logprobs is not None:
+        # k3 estimator: exp(ref - logp) - (ref - logp) - 1  >= 0, unbiased for KL(pi || ref)
+        delta = x.ref_logprobs - x.logprobs
+        k3 = torch.exp(delta) - delta - 1.0
+        kl = masked_mean(k3, mask)
+        per_token = per_token + s.kl_coef * k3
+    loss = aggregate(per_token, mask, s.aggregation)
+    with torch.no_grad():
+        was_clipped = ((ratio * adv) > (clipped * adv)).float()
+        truncated = (tis < torch.exp(proximal - x.behaviour_logprobs) - 1e-12).float() if x.proximal_logprobs is not None else torch.zeros_like(ratio)
+        return LossOutput(
+            loss=loss,
+            clip_fraction=float(masked_mean(was_clipped, mask)),
+            ratio_mean=float(masked_mean(ratio, mask)),
+            tis_mean=float(masked_mean(tis, mask)),
+            tis_truncated_fraction=float(masked_mean(truncated, mask)),
+            kl=float(kl),
+        )
+
+
+def logprob_mismatch(trainer: "torch.Tensor", engine: "torch.Tensor", mask: "torch.Tensor") -> dict[str, float]:
+    """How far the engine's logprobs are from the trainer's on the same tokens and weights.
+
+    trainer, engine, mask: [B, T]. Returns mean and max |delta| and a k3 estimate of KL(mu || pi).
+    """
+    import torch
+
+    with torch.no_grad():
+        m = mask.float()
+        delta = (trainer - engine) * m
+        k3 = (torch.exp(delta) - delta - 1.0) * m
+        return {
+            "mean_abs": float(delta.abs().sum() / m.sum().clamp(min=1.0)),
+            "max_abs": float(delta.abs().max()) if m.sum() > 0 else 0.0,
+            "kl": float(k3.sum() / m.sum().clamp(min=1.0)),
+        }

@@ -1,0 +1,121 @@
+"""Policy loading and saving: any Hugging Face causal-LM directory, plus token log-probabilities.
+
+A checkpoint directory is plain Hugging Face format (config.json, tokenizer files, safetensors)
+plus ``lineage.json`` (where it came from) and ``optimizer.pt`` (so training resumes exactly).
+Directories here are local; storage/ copies them to and from remote roots.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+WEIGHTS_FILE = "model.safetensors"
+REQUIRED_FILES = ("config.json", "tokenizer_config.json")
+
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}
+
+
+class PolicyLoadError(ValueError):
+    pass
+
+
+def torch_dtype(name: str) -> "torch.dtype":
+    import torch
+
+    try:
+        return getattr(torch, _DTYPES[name])
+    except KeyError:
+        raise PolicyLoadError(f"unknown dtype {name!r}; use one of float32, bfloat16, float16") from None
+
+
+def check_policy_dir(path: str) -> None:
+    """Fail with one line naming what is missing, before any heavy import."""
+    if not os.path.isdir(path):
+        raise PolicyLoadError(f"policy directory {path} does not exist; set policy.base_model to a Hugging Face causal-LM directory or 'builtin'")
+    missing = [f for f in REQUIRED_FILES if not os.path.exists(os.path.join(path, f))]
+    if not any(f.endswith((".safetensors", ".bin")) for f in os.listdir(path)):
+        missing.append("model weights (*.safetensors)")
+    if missing:
+        raise PolicyLoadError(f"policy directory {path} is missing {', '.join(missing)}; point to a complete Hugging Face checkpoint")
+
+
+def load_policy(path: str, dtype: str = "float32") -> tuple[Any, Any]:
+    """(model, tokenizer) from a Hugging Face causal-LM directory, in eval mode on CPU."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # per-load bars drown the round's own progress
+    check_policy_dir(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token_id is None:  # many causal LMs ship without one; eos is the usual stand-in
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype))
+    return model.eval(), tokenizer
+
+
+def load_state_dict(path: str) -> dict[str, "torch.Tensor"]:
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(path, WEIGHTS_FILE))
+
+
+def save_policy(model: Any, tokenizer: Any, path: str) -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+
+
+@dataclass
+class TokenBatch:
+    """Prompt + completion sequences padded for one forward pass.
+
+    input_ids:       [B, T] left-padded prompts followed by right-padded completions
+    attention_mask:  [B, T]
+    completion_mask: [B, T-1] 1 where the *target* token (position t+1) is a completion token
+    """
+
+    input_ids: "torch.Tensor"
+    attention_mask: "torch.Tensor"
+    completion_mask: "torch.Tensor"
+
+
+def pack_sequences(prompts: list[list[int]], completions: list[list[int]], pad_token_id: int) -> TokenBatch:
+    import torch
+
+    p_width = max(len(p) for p in prompts)
+    c_width = max(len(c) for c in completions)
+    n = len(prompts)
+    ids = torch.full((n, p_width + c_width), pad_token_id, dtype=torch.long)
+    attn = torch.zeros((n, p_width + c_width), dtype=torch.long)
+    for row, (p, c) in enumerate(zip(prompts, completions)):
+        ids[row, p_width - len(p) : p_width] = torch.tensor(p, dtype=torch.long)
+        ids[row, p_width : p_width + len(c)] = torch.tensor(c, dtype=torch.long)
+        attn[row, p_width - len(p) : p_width + len(c)] = 1
+    comp = torch.zeros_like(attn)
+    comp[:, p_width:] = attn[:, p_width:]
+    return TokenBatch(ids, attn, comp[:, 1:])
+
+
+def token_logprobs(model: Any, batch: TokenBatch, temperature: float = 1.0) -> "torch.Tensor":
+    """Log-probabilities of each next token under the model at ``temperature``: [B, T-1].
+
+    The engine reports logprobs under its sampling distribution (logits / temperature), so the
+    trainer must score the same distribution for the ratio to mean anything.
+    """
+    import torch
+
+    positions = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=positions).logits
+    logits = logits[:, :-1, :].float()  # [B, T-1, V] predicts token t+1
+    if temperature > 0:
+        logits = logits / temperature
+    targets = batch.input_ids[:, 1:].unsqueeze(-1)  # [B, T-1, 1]
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets).squeeze(-1)

@@ -1,0 +1,69 @@
+"""The checkpoint store: Hugging Face directories under the storage root, ``lineage.json`` written last.
+
+Training happens on local disk; a finished checkpoint is copied to its place under the root file by
+file, lineage.json last, so a checkpoint without lineage.json is an interrupted copy and is never
+loaded. Remote checkpoints are fetched into a local cache keyed by URI and content before loading.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+
+from storage.paths import LINEAGE, StorageRoot, child, lineage_of, local_cache_dir
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def commit_checkpoint(root: StorageRoot, local_dir: str, target: str, lineage: dict) -> str:
+    """Copy ``local_dir`` to ``target`` under the root and commit it with ``lineage``. Returns target."""
+    fs = root.fs
+    if fs.exists(lineage_of(target)):
+        return target  # already committed: a resumed stage must not rewrite a published checkpoint
+    fs.makedirs(target, exist_ok=True)
+    for name in sorted(os.listdir(local_dir)):
+        if name == LINEAGE:
+            continue
+        fs.put_file(os.path.join(local_dir, name), child(target, name))
+    with fs.open(lineage_of(target), "w") as f:
+        json.dump(lineage, f, indent=2, sort_keys=True)
+    return target
+
+
+def is_committed(root: StorageRoot, checkpoint_uri: str) -> bool:
+    return root.fs.exists(lineage_of(checkpoint_uri))
+
+
+def read_lineage(root: StorageRoot, checkpoint_uri: str) -> dict:
+    try:
+        with root.fs.open(lineage_of(checkpoint_uri), "r") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {checkpoint_uri} is not committed (no {LINEAGE}); re-run its round") from None
+
+
+def local_copy(root: StorageRoot, checkpoint_uri: str) -> str:
+    """A local directory holding the checkpoint: the directory itself when local, else a cached copy."""
+    if "://" not in checkpoint_uri:  # a local directory (a local root, or a base model given by path)
+        return checkpoint_uri
+    if not is_committed(root, checkpoint_uri):
+        raise CheckpointError(f"checkpoint {checkpoint_uri} is not committed (no {LINEAGE})")
+    with root.fs.open(lineage_of(checkpoint_uri), "rb") as f:
+        stamp = hashlib.sha256(checkpoint_uri.encode() + f.read()).hexdigest()[:16]
+    target = os.path.join(local_cache_dir(), "checkpoints", stamp)
+    if os.path.exists(os.path.join(target, LINEAGE)):
+        return target
+    staging = tempfile.mkdtemp(prefix="ckpt-", dir=os.path.dirname(target) if os.path.isdir(os.path.dirname(target)) else None)
+    for path in root.fs.ls(checkpoint_uri, detail=False):
+        root.fs.get_file(path, os.path.join(staging, os.path.basename(path)))
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    try:
+        os.rename(staging, target)
+    except OSError:  # another process fetched it first
+        shutil.rmtree(staging, ignore_errors=True)
+    return target

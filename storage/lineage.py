@@ -1,0 +1,161 @@
+"""MLflow adapter: campaign and round runs, stage metrics, registered checkpoints and their lineage tags.
+
+Everything goes through an explicit ``MlflowClient`` and run ids, never the fluent API's global
+"active run", so Prefect tasks on worker threads cannot log into each other's runs. Runs are found
+again by tags (``rlrounds.run_id``, ``rlrounds.round``), so a resumed campaign reuses its runs.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from storage.paths import StorageRoot
+from storage.settings import Settings
+
+RUN_ID_TAG = "rlrounds.run_id"
+ROUND_TAG = "rlrounds.round"
+KIND_TAG = "rlrounds.kind"
+LINEAGE_TAGS = (
+    "round",
+    "run_id",
+    "parent_model_version",
+    "trajectory_version",
+    "base_model",
+    "config_hash",
+    "code_version",
+    "prefect_flow_run_id",
+)
+
+
+class LineageError(RuntimeError):
+    pass
+
+
+def tracking_uris(settings: Settings, root: StorageRoot) -> tuple[str, str]:
+    """(tracking URI, default artifact location)."""
+    if settings.mlflow_uri:
+        tracking = settings.mlflow_uri
+    elif root.is_local:
+        tracking = f"sqlite:///{root.mlflow_db()}"
+    else:
+        # A SQLite file cannot live on S3; keep it beside the local cache unless a server is given.
+        from storage.paths import local_cache_dir
+
+        os.makedirs(local_cache_dir(), exist_ok=True)
+        tracking = f"sqlite:///{os.path.join(local_cache_dir(), 'mlflow.db')}"
+    artifacts = settings.mlflow_artifacts or root.mlflow_artifacts()
+    return tracking, artifacts
+
+
+@dataclass
+class Tracker:
+    client: Any
+    artifact_location: str
+
+    @classmethod
+    def connect(cls, settings: Settings, root: StorageRoot) -> "Tracker":
+        import logging
+
+        logging.getLogger("alembic").setLevel(logging.WARNING)
+        from mlflow import MlflowClient
+
+        tracking, artifacts = tracking_uris(settings, root)
+        if tracking.startswith("sqlite:///"):
+            os.makedirs(os.path.dirname(tracking.removeprefix("sqlite:///")) or ".", exist_ok=True)
+        try:
+            client = MlflowClient(tracking_uri=tracking, registry_uri=tracking)
+            client.search_experiments(max_results=1)
+        except Exception as exc:  # noqa: BLE001 -- any failure here means the store is unusable
+            raise LineageError(f"cannot reach MLflow at {tracking}: {exc}; set RLROUNDS_MLFLOW_URI to a reachable tracking server") from exc
+        return cls(client, artifacts)
+
+    # -- runs -----------------------------------------------------------------------------------
+
+    def experiment_id(self, name: str) -> str:
+        exp = self.client.get_experiment_by_name(name)
+        if exp is not None:
+            return exp.experiment_id
+        try:
+            return self.client.create_experiment(name, artifact_location=f"{self.artifact_location}/{name}")
+        except Exception:  # noqa: BLE001 -- created concurrently: read it back
+            exp = self.client.get_experiment_by_name(name)
+            if exp is None:
+                raise
+            return exp.experiment_id
+
+    def find_run(self, experiment_id: str, tags: dict[str, str]) -> str | None:
+        query = " and ".join(f"tags.`{k}` = '{v}'" for k, v in tags.items())
+        runs = self.client.search_runs([experiment_id], filter_string=query, max_results=1)
+        return runs[0].info.run_id if runs else None
+
+    def ensure_run(self, experiment_id: str, name: str, tags: dict[str, str], parent: str | None = None) -> str:
+        """The run carrying ``tags``, created once; a resumed campaign gets the same run back."""
+        found = self.find_run(experiment_id, tags)
+        if found:
+            return found
+        all_tags = dict(tags)
+        if parent:
+            all_tags["mlflow.parentRunId"] = parent
+        return self.client.create_run(experiment_id, tags=all_tags, run_name=name).info.run_id
+
+    def log(self, run_id: str, metrics: dict[str, float] | None = None, params: dict[str, Any] | None = None, step: int = 0) -> None:
+        from mlflow.entities import Metric, Param
+
+        now = int(time.time() * 1000)
+        ms = [Metric(k, float(v), now, step) for k, v in (metrics or {}).items() if v is not None]
+        ps = [Param(k, str(v)[:6000]) for k, v in (params or {}).items()]
+        for i in range(0, max(len(ms), len(ps)), 500):
+            self.client.log_batch(run_id, metrics=ms[i : i + 500], params=ps[i : i + 500])
+
+    def log_dataset(self, run_id: str, name: str, digest: str, source: str, context: str = "training") -> None:
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+
+        dataset = Dataset(name=name, digest=digest, source_type="trajectory_store", source=source)
+        self.client.log_inputs(run_id, datasets=[DatasetInput(dataset, tags=[InputTag("mlflow.data.context", context)])])
+
+    def log_text(self, run_id: str, text: str, artifact_file: str) -> None:
+        self.client.log_text(run_id, text, artifact_file)
+
+    def finish(self, run_id: str, status: str = "FINISHED") -> None:
+        self.client.set_terminated(run_id, status=status)
+
+    # -- registry -------------------------------------------------------------------------------
+
+    def find_model_version(self, name: str, tags: dict[str, str]) -> str | None:
+        query = " and ".join([f"name = '{name}'"] + [f"tags.`{k}` = '{v}'" for k, v in tags.items()])
+        found = self.client.search_model_versions(query, max_results=1)
+        return str(found[0].version) if found else None
+
+    def register(self, name: str, source: str, run_id: str, tags: dict[str, str]) -> str:
+        """Register a checkpoint once: the same (run_id, round) tags return the existing version."""
+        existing = self.find_model_version(name, {"run_id": tags["run_id"], "round": tags["round"]})
+        if existing:
+            return existing
+        try:
+            self.client.create_registered_model(name, description="rlrounds policy checkpoints")
+        except Exception:  # noqa: BLE001 -- already exists
+            pass
+        missing = [t for t in LINEAGE_TAGS if t not in tags]
+        if missing:
+            raise LineageError(f"refusing to register {name} without lineage tags: {', '.join(missing)}")
+        mv = self.client.create_model_version(name, source=source, run_id=run_id, tags={k: str(v) for k, v in tags.items()})
+        return str(mv.version)
+
+    def tag_model_version(self, name: str, version: str, tags: dict[str, Any]) -> None:
+        for key, value in tags.items():
+            self.client.set_model_version_tag(name, version, key, str(value))
+
+    def model_version(self, name: str, version: str) -> Any:
+        return self.client.get_model_version(name, version)
+
+    def alias_version(self, name: str, alias: str) -> str | None:
+        try:
+            return str(self.client.get_model_version_by_alias(name, alias).version)
+        except Exception:  # noqa: BLE001 -- alias not set yet
+            return None
+
+    def set_alias(self, name: str, alias: str, version: str) -> None:
+        self.client.set_registered_model_alias(name, alias, version)

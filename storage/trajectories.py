@@ -1,0 +1,238 @@
+"""The trajectory store: Parquet parts plus a manifest, written last, that commits them.
+
+A trajectory version is immutable and content-addressed: its id is a hash of the manifest body,
+which lists every part's sha256 and row count, the schema version, the version's parent and how it
+was derived. Parts are written first; the manifest is the commit. Readers trust only versions with a
+manifest and verify every part's sha256 before parsing it.
+
+Rows do not store their own ``trajectory_version`` (the id is a hash over the parts, so a part
+cannot contain it); readers attach it as a column from the manifest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import posixpath
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from storage.paths import MANIFEST, StorageRoot, child, manifest_of, part_name
+
+SCHEMA_VERSION = "1.0"
+ROWS_PER_PART = 50_000
+
+
+class TrajectoryStoreError(RuntimeError):
+    pass
+
+
+class CorruptPartError(TrajectoryStoreError):
+    pass
+
+
+def arrow_schema():
+    import pyarrow as pa
+
+    ts = pa.timestamp("us", tz="UTC")
+    return pa.schema(
+        [
+            ("schema_version", pa.string()),
+            # identity
+            ("run_id", pa.string()),
+            ("round", pa.int32()),
+            ("prompt_id", pa.string()),
+            ("group_id", pa.string()),
+            ("sample_index", pa.int32()),
+            # prompt
+            ("task", pa.string()),
+            ("prompt_text", pa.string()),
+            ("prompt_token_ids", pa.list_(pa.int32())),
+            ("reference", pa.string()),
+            # completion
+            ("completion_text", pa.string()),
+            ("completion_token_ids", pa.list_(pa.int32())),
+            ("rollout_logprobs", pa.list_(pa.float32())),
+            ("token_policy_versions", pa.list_(pa.int32())),
+            ("finish_reason", pa.string()),
+            ("engine", pa.struct([("name", pa.string()), ("version", pa.string()), ("dtype", pa.string())])),
+            (
+                "sampling",
+                pa.struct([("temperature", pa.float64()), ("top_p", pa.float64()), ("seed", pa.int64()), ("max_tokens", pa.int32())]),
+            ),
+            # verification
+            ("verifier", pa.struct([("name", pa.string()), ("version", pa.string())])),
+            ("reward", pa.float64()),
+            ("outcome", pa.string()),
+            ("verify_error", pa.string()),
+            # filtering
+            ("advantage", pa.float64()),
+            ("kept", pa.bool_()),
+            ("drop_reason", pa.string()),
+            # timing
+            ("enqueued_at", ts),
+            ("started_at", ts),
+            ("finished_at", ts),
+            ("verified_at", ts),
+            ("gen_latency_s", pa.float64()),
+            ("verify_latency_s", pa.float64()),
+        ]
+    )
+
+
+def check_schema_version(found: str, where: str) -> None:
+    major = str(found).split(".")[0]
+    if major != SCHEMA_VERSION.split(".")[0]:
+        raise TrajectoryStoreError(
+            f"{where} has schema version {found}, this rlrounds reads major version {SCHEMA_VERSION.split('.')[0]}; "
+            "upgrade rlrounds or export the data with the version that wrote it"
+        )
+
+
+def rows_to_table(rows: list[dict]):
+    import pyarrow as pa
+
+    return pa.Table.from_pylist([{**r, "schema_version": SCHEMA_VERSION} for r in rows], schema=arrow_schema())
+
+
+def table_bytes(table) -> bytes:
+    import pyarrow.parquet as pq
+
+    buf = io.BytesIO()
+    pq.write_table(table, buf, compression="zstd")
+    return buf.getvalue()
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def version_id(body: dict) -> str:
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(canonical).hexdigest()[:20]
+
+
+@dataclass
+class Manifest:
+    version: str
+    directory: str
+    body: dict = field(repr=False)
+
+    @property
+    def parts(self) -> list[dict]:
+        return self.body["parts"]
+
+    @property
+    def rows(self) -> int:
+        return sum(p["rows"] for p in self.parts)
+
+    @property
+    def parent(self) -> str | None:
+        return self.body.get("parent")
+
+
+def write_version(root: StorageRoot, directory_for, table, meta: dict[str, Any]) -> Manifest:
+    """Commit ``table`` as a new version. ``directory_for(version) -> URI`` places it.
+
+    meta: run_id, round, kind, parent, derivation ... (anything JSON). Idempotent: writing the same
+    rows with the same meta again yields the same version id and rewrites nothing.
+    """
+    table = table.replace_schema_metadata(None)
+    parts = []
+    blobs = []
+    for i, start in enumerate(range(0, max(table.num_rows, 1), ROWS_PER_PART)):
+        blob = table_bytes(table.slice(start, ROWS_PER_PART))
+        blobs.append(blob)
+        parts.append({"path": part_name(i), "sha256": sha256(blob), "rows": min(ROWS_PER_PART, table.num_rows - start), "bytes": len(blob)})
+    body = {"schema_version": SCHEMA_VERSION, "parts": parts, **meta}
+    version = version_id(body)
+    directory = directory_for(version)
+    fs = root.fs
+    if fs.exists(manifest_of(directory)):
+        return Manifest(version, directory, body)
+    fs.makedirs(directory, exist_ok=True)
+    for part, blob in zip(parts, blobs):
+        with fs.open(child(directory, part["path"]), "wb") as f:
+            f.write(blob)
+    _write_json(fs, manifest_of(directory), {"version": version, **body})  # the commit
+    return Manifest(version, directory, body)
+
+
+def _write_json(fs, path: str, obj: dict) -> None:
+    with fs.open(path, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+
+
+def read_manifest(root: StorageRoot, directory: str) -> Manifest:
+    path = manifest_of(directory)
+    try:
+        with root.fs.open(path, "r") as f:
+            body = json.load(f)
+    except FileNotFoundError:
+        raise TrajectoryStoreError(f"no committed trajectory version at {directory} (manifest.json missing)") from None
+    version = body.pop("version")
+    check_schema_version(body.get("schema_version", "?"), f"trajectory version {version}")
+    if version_id(body) != version:
+        raise CorruptPartError(f"manifest of trajectory version {version} at {path} does not match its content hash")
+    return Manifest(version, directory, body)
+
+
+def read_table(root: StorageRoot, manifest: Manifest, columns: Iterable[str] | None = None):
+    """All rows of a committed version, every part's sha256 verified first; adds ``trajectory_version``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tables = []
+    for part in manifest.parts:
+        path = child(manifest.directory, part["path"])
+        try:
+            with root.fs.open(path, "rb") as f:
+                blob = f.read()
+        except FileNotFoundError:
+            raise CorruptPartError(f"trajectory version {manifest.version}: part {path} is missing") from None
+        if sha256(blob) != part["sha256"]:
+            raise CorruptPartError(
+                f"trajectory version {manifest.version}: part {path} is corrupted (sha256 mismatch); "
+                "restore it from a copy or re-run the round"
+            )
+        table = pq.read_table(io.BytesIO(blob), columns=list(columns) if columns else None)
+        tables.append(table)
+    table = pa.concat_tables(tables) if tables else arrow_schema().empty_table()
+    return table.append_column("trajectory_version", pa.array([manifest.version] * table.num_rows, pa.string()))
+
+
+def list_manifests(root: StorageRoot) -> list[Manifest]:
+    """Every committed version under the root (directories without a manifest are invisible)."""
+    found = []
+    for pattern in root.manifest_globs():
+        for path in sorted(root.fs.glob(_strip(root, pattern))):
+            directory = posixpath.dirname(path)
+            found.append(read_manifest(root, _restore(root, directory)))
+    return found
+
+
+def find_version(root: StorageRoot, version: str) -> Manifest:
+    """Resolve a version id (or a unique prefix of at least 6 characters) to its manifest."""
+    if len(version) < 6:
+        raise TrajectoryStoreError(f"trajectory version {version!r} is too short; give at least 6 characters")
+    hits = []
+    for pattern in root.manifest_globs():
+        pattern = pattern.replace(f"/*/{MANIFEST}", f"/{version}*/{MANIFEST}")
+        hits += root.fs.glob(_strip(root, pattern))
+    if not hits:
+        raise TrajectoryStoreError(f"no committed trajectory version {version!r} under {root.uri}; list them with `rlrounds trajectories list`")
+    if len({posixpath.basename(posixpath.dirname(h)) for h in hits}) > 1:
+        raise TrajectoryStoreError(f"trajectory version prefix {version!r} is ambiguous; give more characters")
+    return read_manifest(root, _restore(root, posixpath.dirname(hits[0])))
+
+
+def _strip(root: StorageRoot, uri: str) -> str:
+    """fsspec glob wants protocol-less paths for remote filesystems."""
+    return uri.split("://", 1)[1] if "://" in uri else uri
+
+
+def _restore(root: StorageRoot, path: str) -> str:
+    if "://" in root.uri and "://" not in path:
+        return f"{root.uri.split('://', 1)[0]}://{path}"
+    return path

@@ -1,0 +1,159 @@
+"""Filtering: group-normalised advantages and the rules that decide which samples train.
+
+Pure functions over plain rows first; the Prefect task at the bottom only moves data in and out
+of the trajectory store. Every dropped row keeps its ``drop_reason``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Iterable
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tasks.verify import Outcome
+
+DROP_INFRA = "infra_failure"  # the environment failed: never a zero reward in the gradient
+DROP_UNKNOWN = "unscored"  # the verifier could not score it
+DROP_ZERO_VARIANCE = "zero_variance_group"  # every sample of the group scored the same: no signal
+DROP_INCOMPLETE = "incomplete_group"  # too few scored samples left in the group to compare
+DROP_OVERFLOW = "batch_full"  # a complete group that arrived after the trainable batch was full
+
+
+class FilterConfig(BaseModel):
+    """How rewards become advantages, and which samples are trained on."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    normalize_std: bool = True
+    """Divide group-centred rewards by the group's standard deviation (GRPO). Off: Dr. GRPO-style centring only."""
+    drop_zero_variance: bool = True
+    """Drop groups whose samples all scored the same: their advantages are all zero."""
+    min_scored_per_group: int = Field(2, ge=2)
+    """A group needs at least this many scored samples (after dropping infra failures) to be compared."""
+    epsilon: float = Field(1e-6, gt=0)
+    """Added to the standard deviation so near-constant groups do not explode."""
+
+
+@dataclass
+class FilterDecision:
+    advantage: float
+    kept: bool
+    drop_reason: str | None
+
+
+def group_advantages(rewards: list[float], normalize_std: bool, epsilon: float) -> list[float]:
+    """(r - mean) / (std + eps) within one group; population std, as in GRPO."""
+    mean = sum(rewards) / len(rewards)
+    centred = [r - mean for r in rewards]
+    if not normalize_std:
+        return centred
+    std = math.sqrt(sum(c * c for c in centred) / len(centred))
+    return [c / (std + epsilon) for c in centred]
+
+
+def decide(rows: Iterable[dict], config: FilterConfig) -> dict[tuple[str, int], FilterDecision]:
+    """Decide every row of a set of groups. Rows need group_id, sample_index, reward, outcome.
+
+    Infrastructure failures and unscored samples leave their group; the group's advantages are
+    computed over the samples that remain, so a sandbox crash can never count as a wrong answer.
+    """
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for row in rows:
+        groups[row["group_id"]].append(row)
+    out: dict[tuple[str, int], FilterDecision] = {}
+    for group_id, members in groups.items():
+        scored = []
+        for row in members:
+            key = (group_id, row["sample_index"])
+            if row["outcome"] == Outcome.INFRA_FAILURE.value:
+                out[key] = FilterDecision(0.0, False, DROP_INFRA)
+            elif row["reward"] is None or row["outcome"] == Outcome.UNKNOWN.value:
+                out[key] = FilterDecision(0.0, False, DROP_UNKNOWN)
+            else:
+                scored.append(row)
+        if len(scored) < config.min_scored_per_group:
+            reason = DROP_INCOMPLETE
+        elif config.drop_zero_variance and len({r["reward"] for r in scored}) == 1:
+            reason = DROP_ZERO_VARIANCE
+        else:
+            reason = None
+        advantages = group_advantages([r["reward"] for r in scored], config.normalize_std, config.epsilon) if scored else []
+        for row, adv in zip(scored, advantages):
+            out[(group_id, row["sample_index"])] = FilterDecision(adv if reason is None else 0.0, reason is None, reason)
+    return out
+
+
+def group_is_trainable(rewards: list[float | None], outcomes: list[str], config: FilterConfig) -> bool:
+    """Would this group survive filtering? Used by rollout to know when the trainable batch is full."""
+    rows = [
+        {"group_id": "g", "sample_index": i, "reward": r, "outcome": o} for i, (r, o) in enumerate(zip(rewards, outcomes))
+    ]
+    return any(d.kept for d in decide(rows, config).values())
+
+
+def apply_decisions(rows: list[dict], decisions: dict[tuple[str, int], FilterDecision], target_groups: int | None) -> list[dict]:
+    """Write advantage/kept/drop_reason into rows; only the first ``target_groups`` trainable groups
+    (in completion order) are kept, later ones are marked ``batch_full``."""
+    taken: set[str] = set()
+    out = []
+    for row in rows:
+        d = decisions[(row["group_id"], row["sample_index"])]
+        kept, reason = d.kept, d.drop_reason
+        if kept and row["group_id"] not in taken:
+            if target_groups is not None and len(taken) >= target_groups:
+                kept, reason = False, DROP_OVERFLOW
+            else:
+                taken.add(row["group_id"])
+        out.append({**row, "advantage": d.advantage, "kept": kept, "drop_reason": reason})
+    return out
+
+
+def filter_stats(rows: list[dict]) -> dict[str, float]:
+    from collections import Counter
+
+    reasons = Counter(r["drop_reason"] for r in rows if not r["kept"])
+    kept_groups = {r["group_id"] for r in rows if r["kept"]}
+    stats = {
+        "filter/rows": len(rows),
+        "filter/kept_rows": sum(1 for r in rows if r["kept"]),
+        "filter/kept_groups": len(kept_groups),
+        "filter/groups": len({r["group_id"] for r in rows}),
+    }
+    for reason in (DROP_INFRA, DROP_UNKNOWN, DROP_ZERO_VARIANCE, DROP_INCOMPLETE, DROP_OVERFLOW):
+        stats[f"filter/dropped_{reason}"] = reasons.get(reason, 0)
+    return stats
+
+
+# -- the stage ------------------------------------------------------------------------------------
+
+def run_filter(ctx, staging_uri: str, config: FilterConfig, target_groups: int) -> dict:
+    """Filter the staged rollout and commit it as this round's trajectory version."""
+    from storage.paths import StorageRoot
+    from storage.trajectories import rows_to_table, write_version
+
+    import pyarrow.parquet as pq
+
+    root = StorageRoot.of(ctx.storage)
+    with root.fs.open(staging_uri, "rb") as f:
+        rows = pq.read_table(f).to_pylist()
+    rows = apply_decisions(rows, decide(rows, config), target_groups)
+    meta = {
+        "kind": "rollout",
+        "run_id": ctx.run_id,
+        "round": ctx.round,
+        "parent": None,
+        "derivation": {"filter": config.model_dump(mode="json"), "target_groups": target_groups,
+                       "policy_version": ctx.parent_policy_version},
+    }
+    manifest = write_version(root, lambda v: root.trajectory_version(ctx.run_id, ctx.round, v), rows_to_table(rows), meta)
+    root.fs.rm(root.staging(ctx.run_id, ctx.round), recursive=True)  # committed: the staging copy is redundant
+    return {"version": manifest.version, "uri": manifest.directory, "stats": filter_stats(rows)}
+
+
+from prefect import task  # noqa: E402 -- the thin Prefect wrapper stays at the bottom
+from prefect.cache_policies import NO_CACHE  # noqa: E402
+
+filter_task = task(name="filter+store", cache_policy=NO_CACHE)(run_filter)

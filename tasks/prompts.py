@@ -1,0 +1,98 @@
+"""Prompt sources: the built-in addition task, or a Parquet / JSONL file with ``prompt`` and ``reference``.
+
+A source yields an endless, seeded stream of prompts: rollout draws from it until the trainable
+batch is full, so a round never needs to know in advance how many prompts it will use.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from typing import Iterator
+
+from pydantic import BaseModel, ConfigDict, field_validator
+
+from models import addition
+from models.addition import Prompt
+
+BUILTIN = "builtin:addition"
+
+
+class PromptError(ValueError):
+    pass
+
+
+class PromptsConfig(BaseModel):
+    """Where training prompts come from."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    source: str = BUILTIN
+    """'builtin:addition', or a local/remote path to a .parquet or .jsonl file with columns prompt, reference."""
+    task: str = "addition"
+    """Task name recorded on every row; also selects the verifier unless verify.verifier is set."""
+
+    @field_validator("source")
+    @classmethod
+    def _known_format(cls, v: str) -> str:
+        if v != BUILTIN and not v.endswith((".parquet", ".jsonl")):
+            raise ValueError(f"prompt source {v!r} must be '{BUILTIN}' or a .parquet / .jsonl file")
+        return v
+
+
+def load_prompt_file(uri: str, task: str) -> list[Prompt]:
+    """Read every prompt of a file, failing with one line that names the file and the fix."""
+    from storage.settings import filesystem_for
+
+    fs = filesystem_for(uri)
+    try:
+        if uri.endswith(".jsonl"):
+            records = []
+            with fs.open(uri, "r") as f:
+                for lineno, line in enumerate(f, 1):
+                    if line.strip():
+                        try:
+                            records.append(json.loads(line))
+                        except json.JSONDecodeError as exc:
+                            raise PromptError(f"{uri}:{lineno}: not valid JSON ({exc.msg}); each line must be an object with prompt and reference") from None
+        else:
+            import pyarrow.parquet as pq
+
+            with fs.open(uri, "rb") as f:
+                records = pq.read_table(f).to_pylist()
+    except FileNotFoundError:
+        raise PromptError(f"prompt file {uri} does not exist; set prompts.source to an existing .jsonl or .parquet file") from None
+    prompts = []
+    for i, rec in enumerate(records):
+        if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str) or rec.get("reference") is None:
+            raise PromptError(f"{uri}: record {i + 1} lacks a string 'prompt' and a 'reference'; every record needs both")
+        text = rec["prompt"]
+        digest = hashlib.sha256(f"{text}\x00{rec['reference']}".encode()).hexdigest()[:12]
+        prompts.append(Prompt(prompt_id=str(rec.get("id", f"p-{digest}")), task=task, text=text, reference=str(rec["reference"])))
+    if not prompts:
+        raise PromptError(f"prompt file {uri} holds no prompts; add at least one record with prompt and reference")
+    return prompts
+
+
+def prompt_stream(config: PromptsConfig, seed: int) -> Iterator[Prompt]:
+    """Endless prompts: uniform draws for the built-in task, seeded reshuffled passes over a file."""
+    rng = random.Random(seed)
+    if config.source == BUILTIN:
+        pairs = addition.training_pairs()
+        while True:
+            yield addition.make_prompt(*pairs[rng.randrange(len(pairs))])
+    prompts = load_prompt_file(config.source, config.task)
+    while True:
+        order = list(range(len(prompts)))
+        rng.shuffle(order)
+        for i in order:
+            yield prompts[i]
+
+
+def evaluation_prompts(config: PromptsConfig, eval_source: str | None) -> list[Prompt]:
+    if eval_source:
+        return load_prompt_file(eval_source, config.task)
+    if config.source == BUILTIN:
+        return addition.held_out_prompts()
+    raise PromptError("evaluation needs held-out prompts: set evaluate.source to a .jsonl or .parquet file")

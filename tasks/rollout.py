@@ -1,0 +1,250 @@
+"""Rollout: generate groups, verify samples as they finish, stop once the trainable batch is full.
+
+The headline figure is *time to a trainable batch*: the round needs ``target_groups`` complete groups
+that will survive filtering (not every group generated), so prompts are fed to the engine lazily and
+feeding stops the moment enough trainable groups are verified. Groups still in flight then finish
+and are stored too (filter marks them ``batch_full``): nothing generated is thrown away unrecorded.
+
+Output: every sample as a staged Parquet file (uncommitted; filter commits the version) and stats.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from models.addition import Prompt
+from models.engine import GeneratedSample, GroupRequest, SamplingParams
+from tasks.filter import FilterConfig, group_is_trainable
+from tasks.prompts import PromptsConfig, prompt_stream
+from tasks.verify import VERIFIER_VERSIONS, Outcome, Verdict, VerifierPool, VerifyConfig, get_verifier
+
+
+class RolloutConfig(BaseModel):
+    """How samples are generated."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    engine: Literal["embedded"] = "embedded"
+    """Rollout engine: 'embedded' (torch in this process, any Hugging Face causal LM)."""
+    dtype: str = "float32"
+    """Engine precision: float32, bfloat16 or float16."""
+    samples_per_prompt: int = Field(8, ge=2, le=512)
+    """Samples per group. GRPO compares samples of one prompt, so at least 2."""
+    temperature: float = Field(1.0, gt=0.0, le=5.0)
+    """Sampling temperature; behaviour logprobs are recorded under this distribution."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling mass."""
+    max_tokens: int = Field(8, ge=1, le=32_768)
+    """Most new tokens per sample; longer samples end with finish_reason 'length'."""
+    max_batch: int = Field(1024, ge=1)
+    """Sequences decoded together by the embedded engine."""
+    max_prompts_factor: float = Field(8.0, ge=1.0)
+    """Over-provisioning cap: at most this many times the target groups are generated per round."""
+
+    @model_validator(mode="after")
+    def _dtype_known(self) -> "RolloutConfig":
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"rollout.dtype {self.dtype!r} is unknown; use float32, bfloat16 or float16")
+        return self
+
+
+@dataclass
+class _GroupState:
+    request: GroupRequest
+    prompt: Prompt
+    enqueued_at: float
+    samples: list[GeneratedSample] = field(default_factory=list)
+    futures: list[Any] = field(default_factory=list)
+    verified_at: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass
+class RolloutResult:
+    """The samples in completion order, and the figures the round reports."""
+
+    rows: list[dict]
+    stats: dict[str, float]
+
+
+def _utc(t: float) -> datetime:
+    return datetime.fromtimestamp(t, tz=timezone.utc)
+
+
+def generate_and_verify(
+    engine,
+    tokenizer,
+    prompts: PromptsConfig,
+    rollout: RolloutConfig,
+    verify: VerifyConfig,
+    filtering: FilterConfig,
+    target_groups: int,
+    seed: int,
+    run_id: str,
+    round_index: int,
+    progress=None,
+) -> RolloutResult:
+    verifier_name = verify.verifier or prompts.task
+    verifier = get_verifier(verifier_name)
+    sampling = SamplingParams(rollout.temperature, rollout.top_p, rollout.max_tokens, seed)
+    stream = prompt_stream(prompts, seed)
+    max_groups = int(target_groups * rollout.max_prompts_factor)
+    groups: dict[str, _GroupState] = {}
+    generated: deque[_GroupState] = deque()  # every sample generated, verdicts may be pending
+    completed: list[_GroupState] = []
+    trainable = 0
+    start = time.time()
+    batch_ready_at: float | None = None
+
+    def feed():
+        for index in range(max_groups):
+            if trainable >= target_groups:
+                return
+            prompt = next(stream)
+            ids = tuple(tokenizer(prompt.text)["input_ids"])
+            request = GroupRequest(f"r{round_index}-g{index:06d}", ids, rollout.samples_per_prompt, sampling)
+            groups[request.group_id] = _GroupState(request, prompt, time.time())
+            yield request
+
+    def harvest(block: bool) -> None:
+        nonlocal trainable, batch_ready_at
+        while generated and (block or all(f.done() for f in generated[0].futures)):
+            state = generated.popleft()
+            verdicts = [f.result() for f in state.futures]
+            completed.append(state)
+            if group_is_trainable([v.reward for v in verdicts], [v.outcome.value for v in verdicts], filtering):
+                trainable += 1
+                if trainable == target_groups:
+                    batch_ready_at = time.time()
+            if progress and len(completed) % 256 == 0:
+                progress(f"rollout: {len(completed)} groups verified, {trainable}/{target_groups} trainable")
+
+    with VerifierPool(verifier, verify.workers) as pool:
+        for sample in engine.generate(feed()):
+            state = groups[sample.group_id]
+            text = tokenizer.decode(sample.token_ids, skip_special_tokens=True)
+            future = pool.submit(text, state.prompt.reference)
+            future.add_done_callback(lambda _f, st=state, i=sample.sample_index: st.verified_at.__setitem__(i, time.time()))
+            state.samples.append(sample)
+            state.futures.append(future)
+            if len(state.samples) == state.request.n:
+                generated.append(state)
+            harvest(block=False)
+        harvest(block=True)
+    end = time.time()
+
+    engine_info = engine.info
+    verifier_version = VERIFIER_VERSIONS.get(verifier_name, "unknown")
+    rows = []
+    for state in completed:
+        for sample, future in sorted(zip(state.samples, state.futures), key=lambda p: p[0].sample_index):
+            verdict: Verdict = future.result()
+            rows.append(
+                {
+                    "run_id": run_id,
+                    "round": round_index,
+                    "prompt_id": state.prompt.prompt_id,
+                    "group_id": state.request.group_id,
+                    "sample_index": sample.sample_index,
+                    "task": state.prompt.task,
+                    "prompt_text": state.prompt.text,
+                    "prompt_token_ids": list(sample.prompt_token_ids),
+                    "reference": state.prompt.reference,
+                    "completion_text": tokenizer.decode(sample.token_ids, skip_special_tokens=True),
+                    "completion_token_ids": sample.token_ids,
+                    "rollout_logprobs": sample.logprobs,
+                    "token_policy_versions": sample.token_policy_versions,
+                    "finish_reason": sample.finish_reason,
+                    "engine": {"name": engine_info.name, "version": engine_info.version, "dtype": engine_info.dtype},
+                    "sampling": sampling.as_dict(),
+                    "verifier": {"name": verifier_name, "version": verifier_version},
+                    "reward": verdict.reward,
+                    "outcome": verdict.outcome.value,
+                    "verify_error": verdict.error,
+                    "advantage": None,
+                    "kept": None,
+                    "drop_reason": None,
+                    "enqueued_at": _utc(state.enqueued_at),
+                    "started_at": _utc(sample.started_at),
+                    "finished_at": _utc(sample.finished_at),
+                    "verified_at": _utc(state.verified_at.get(sample.sample_index, end)),
+                    "gen_latency_s": sample.finished_at - sample.started_at,
+                    "verify_latency_s": verdict.latency_s,
+                }
+            )
+    return RolloutResult(rows, rollout_stats(rows, completed, target_groups, trainable, start, end, batch_ready_at))
+
+
+def rollout_stats(rows, completed, target_groups, trainable, start, end, batch_ready_at) -> dict[str, float]:
+    import statistics
+
+    outcomes = Counter(r["outcome"] for r in rows)
+    latencies = sorted(r["gen_latency_s"] for r in rows) or [0.0]
+    tokens = sum(len(r["completion_token_ids"]) for r in rows)
+    rewards = [r["reward"] for r in rows if r["reward"] is not None]
+    wall = max(end - start, 1e-9)
+    versions = [v for r in rows for v in r["token_policy_versions"]]
+    return {
+        "rollout/groups": len(completed),
+        "rollout/groups_trainable": trainable,
+        "rollout/target_groups": target_groups,
+        "rollout/batch_full": float(trainable >= target_groups),
+        "rollout/samples": len(rows),
+        "rollout/tokens": tokens,
+        "rollout/tokens_per_s": tokens / wall,
+        "rollout/wall_s": wall,
+        "rollout/time_to_trainable_batch_s": (batch_ready_at or end) - start,
+        "rollout/sample_latency_p50_s": latencies[len(latencies) // 2],
+        "rollout/sample_latency_p99_s": latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))],
+        "rollout/sample_latency_max_s": latencies[-1],
+        "rollout/mean_completion_tokens": tokens / max(len(rows), 1),
+        "rollout/truncated_fraction": sum(r["finish_reason"] == "length" for r in rows) / max(len(rows), 1),
+        "rollout/policy_version_min": min(versions, default=0),
+        "rollout/policy_version_max": max(versions, default=0),
+        "verify/mean_reward": statistics.fmean(rewards) if rewards else 0.0,
+        "verify/success": outcomes.get(Outcome.SUCCESS.value, 0),
+        "verify/model_failure": outcomes.get(Outcome.MODEL_FAILURE.value, 0),
+        "verify/infra_failure": outcomes.get(Outcome.INFRA_FAILURE.value, 0),
+        "verify/unknown": outcomes.get(Outcome.UNKNOWN.value, 0),
+        "verify/infra_failure_rate": outcomes.get(Outcome.INFRA_FAILURE.value, 0) / max(len(rows), 1),
+        "verify/mean_latency_s": statistics.fmean(r["verify_latency_s"] for r in rows) if rows else 0.0,
+    }
+
+
+# -- the stage ------------------------------------------------------------------------------------
+
+def run_rollout(ctx, prompts: PromptsConfig, rollout: RolloutConfig, verify: VerifyConfig, filtering: FilterConfig,
+                target_groups: int, progress=None) -> dict:
+    """Generate and verify this round's samples from the parent checkpoint; stage them as Parquet."""
+    from storage import checkpoints
+    from storage.paths import StorageRoot
+    from storage.trajectories import rows_to_table, table_bytes
+    from tasks.engines import serving_engine
+
+    root = StorageRoot.of(ctx.storage)
+    local = checkpoints.local_copy(root, ctx.parent_checkpoint)
+    engine, tokenizer, _ = serving_engine(rollout.engine, local, rollout.dtype, ctx.parent_policy_version, rollout.max_batch)
+    result = generate_and_verify(engine, tokenizer, prompts, rollout, verify, filtering, target_groups,
+                                 ctx.stage_seed("rollout"), ctx.run_id, ctx.round, progress)
+    rate = result.stats["verify/infra_failure_rate"]
+    if rate > verify.max_infra_failure_rate:
+        raise RuntimeError(
+            f"round {ctx.round}: {rate:.1%} of samples failed for infrastructure reasons (limit "
+            f"{verify.max_infra_failure_rate:.0%}); fix the verifier environment or raise verify.max_infra_failure_rate"
+        )
+    staging = root.rollout_staging_file(ctx.run_id, ctx.round)
+    root.fs.makedirs(root.staging(ctx.run_id, ctx.round), exist_ok=True)
+    with root.fs.open(staging, "wb") as f:
+        f.write(table_bytes(rows_to_table(result.rows)))
+    return {"staging": staging, "stats": result.stats}
+
+
+from prefect import task  # noqa: E402 -- the thin Prefect wrapper stays at the bottom
+from prefect.cache_policies import NO_CACHE  # noqa: E402
+
+rollout_task = task(name="rollout", cache_policy=NO_CACHE)(run_rollout)

@@ -1,0 +1,66 @@
+"""Config errors say what is wrong and what to set instead; the CLI turns them into one line."""
+
+import json
+
+import pytest
+
+from flows.cli import main
+from flows.config import CampaignConfig, ConfigError, load_campaign_config
+
+
+def test_defaults_are_valid_and_consistent():
+    c = CampaignConfig()
+    assert c.round.target_groups == c.round.train.groups_per_step * c.round.train.steps_per_round
+    assert len(c.round.config_hash()) == 16
+
+
+@pytest.mark.parametrize(
+    "content, fragment",
+    [
+        ({"round": {"train": {"learning_rate": -1}}}, "round.train.learning_rate"),  # out of range: names the field
+        ({"round": {"trian": {}}}, "unknown field 'round.trian'"),  # a typo is an error, never ignored
+        ({"rounds": 0}, "rounds"),  # at least one round
+        ({"round": {"rollout": {"samples_per_prompt": 1}}}, "samples_per_prompt"),  # GRPO needs >= 2 samples
+        ({"round": {"policy": {"base_model": "/no/such/dir"}}}, "does not exist"),  # missing base model path
+        ({"round": {"rollout": {"dtype": "float8"}}}, "float32, bfloat16 or float16"),  # says what to use
+        ({"run_id": "../escape"}, "run_id"),  # ids become directory names
+        ({"round": {"verify": {"verifier": "nope"}}}, "one of: addition"),  # lists the verifiers that exist
+    ],
+)
+def test_bad_config_errors(tmp_path, content, fragment):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(content))
+    with pytest.raises(ConfigError, match=None) as err:
+        load_campaign_config(str(path))
+    assert fragment in str(err.value)
+
+
+def test_malformed_yaml_names_the_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("rounds: [1,\n")
+    with pytest.raises(ConfigError, match="c.yaml is not valid YAML"):
+        load_campaign_config(str(path))
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--config", "/no/such.yaml"], "does not exist"),
+        (["--rounds", "0"], "rounds"),
+        (["--storage", "/proc/rlrounds-not-writable"], "not writable"),
+    ],
+)
+def test_cli_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, args, fragment):
+    storage = tmp_path / "data"
+    argv = ["run", *args] if "--storage" in args else ["run", "--storage", str(storage), *args]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and fragment in err[0]
+    assert not storage.exists()
+
+
+def test_cli_help_is_fast_and_lists_commands(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0
+    assert "run" in capsys.readouterr().out

@@ -1,0 +1,59 @@
+"""Advantages and filtering decisions, against values worked out by hand."""
+
+import math
+
+import pytest
+
+from tasks.filter import (
+    DROP_INCOMPLETE,
+    DROP_INFRA,
+    DROP_OVERFLOW,
+    DROP_ZERO_VARIANCE,
+    FilterConfig,
+    apply_decisions,
+    decide,
+    group_advantages,
+)
+
+
+def test_group_advantages_by_hand():
+    # rewards 1,0,0,1: mean 0.5, population std 0.5 -> +-1 (minus a hair for epsilon)
+    adv = group_advantages([1.0, 0.0, 0.0, 1.0], normalize_std=True, epsilon=1e-6)
+    assert adv == pytest.approx([1.0, -1.0, -1.0, 1.0], abs=1e-5)
+    # 1,0,0,0: mean 0.25, std sqrt(0.1875) = 0.4330 -> 0.75/0.433 = 1.7321, -0.25/0.433 = -0.5774
+    adv = group_advantages([1.0, 0.0, 0.0, 0.0], normalize_std=True, epsilon=0.0)
+    assert adv == pytest.approx([math.sqrt(3), -1 / math.sqrt(3), -1 / math.sqrt(3), -1 / math.sqrt(3)])
+    # without std normalisation: only centred
+    assert group_advantages([1.0, 0.0], normalize_std=False, epsilon=1e-6) == [0.5, -0.5]
+
+
+def _rows(group, rewards, outcomes=None):
+    outcomes = outcomes or ["success" if r == 1.0 else "model_failure" for r in rewards]
+    return [{"group_id": group, "sample_index": i, "reward": r, "outcome": o} for i, (r, o) in enumerate(zip(rewards, outcomes))]
+
+
+def test_zero_variance_groups_are_dropped_with_reason():
+    d = decide(_rows("g", [1.0, 1.0, 1.0]), FilterConfig())
+    assert all(not x.kept and x.drop_reason == DROP_ZERO_VARIANCE for x in d.values())
+
+
+def test_infra_failures_leave_the_group_instead_of_scoring_zero():
+    rows = _rows("g", [1.0, None, 0.0, 1.0], ["success", "infra_failure", "model_failure", "success"])
+    d = decide(rows, FilterConfig())
+    assert d[("g", 1)].drop_reason == DROP_INFRA and not d[("g", 1)].kept
+    # the remaining 1,0,1: mean 2/3, std sqrt(2)/3 -> advantages 1/sqrt(2), -sqrt(2), 1/sqrt(2)
+    assert d[("g", 0)].advantage == pytest.approx(1 / math.sqrt(2), abs=1e-5)
+    assert d[("g", 2)].advantage == pytest.approx(-math.sqrt(2), abs=1e-5)
+
+
+def test_group_with_too_few_scored_samples_is_incomplete():
+    rows = _rows("g", [1.0, None, None], ["success", "infra_failure", "infra_failure"])
+    d = decide(rows, FilterConfig())
+    assert d[("g", 0)].drop_reason == DROP_INCOMPLETE
+
+
+def test_only_the_first_target_groups_are_kept():
+    rows = _rows("a", [1.0, 0.0]) + _rows("b", [1.0, 1.0]) + _rows("c", [0.0, 1.0])
+    out = apply_decisions(rows, decide(rows, FilterConfig()), target_groups=1)
+    by_group = {(r["group_id"], r["kept"], r["drop_reason"]) for r in out}
+    assert by_group == {("a", True, None), ("b", False, DROP_ZERO_VARIANCE), ("c", False, DROP_OVERFLOW)}

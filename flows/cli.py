@@ -14,6 +14,8 @@ import sys
 import time
 import uuid
 
+from flows.cli_data import add_commands
+
 EXIT_USAGE = 2
 
 
@@ -94,18 +96,26 @@ def check_storage_writable(uri: str) -> None:
 def cmd_run(args: argparse.Namespace) -> int:
     from flows.config import ConfigError, load_campaign_config
 
+    if args.resume and args.run_id:
+        raise UserError("--run-id starts a campaign and --resume RUN_ID continues one; pass only one of them")
+    storage = args.storage or _settings_storage()
     try:
-        config = load_campaign_config(args.config, rounds=args.rounds, run_id=args.run_id)
+        if args.resume:
+            config = _resume_config(args.resume, args.config, args.rounds, storage)
+        else:
+            config = load_campaign_config(args.config, rounds=args.rounds, run_id=args.run_id)
+        config = _with_rollout(config, replicas=args.replicas, ray_address=args.ray_address)
     except ConfigError as exc:
         raise UserError(str(exc)) from None
-    storage = args.storage or _settings_storage()
     check_storage_writable(storage)
     os.environ["RLROUNDS_STORAGE"] = storage
+    _check_before_starting(config, storage, resume=bool(args.resume), takeover=args.takeover)
     from flows.campaign import rl_campaign
 
-    print(f"rlrounds: campaign of {config.round and config.rounds} rounds, storage {storage}", flush=True)
+    what = f"resuming campaign {config.run_id}" if args.resume else "campaign"
+    print(f"rlrounds: {what} of {config.rounds} rounds, storage {storage}", flush=True)
     start = time.perf_counter()
-    result = rl_campaign(config, storage=storage)
+    result = rl_campaign(config, storage=storage, resume=bool(args.resume), takeover=args.takeover)
     rounds = result["rounds"]
     minutes = (time.perf_counter() - start) / 60
     print(
@@ -116,10 +126,81 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _resume_config(run_id: str, path: str | None, rounds: int | None, storage: str):
+    """The config to resume with: the stored one, or --config (which the flow checks against it)."""
+    from pydantic import ValidationError
+
+    from flows.config import CampaignConfig, ConfigError, describe_validation_error, load_campaign_config
+    from storage.campaigns import stored_config
+    from storage.paths import StorageRoot
+
+    if path:
+        return load_campaign_config(path, rounds=rounds, run_id=run_id)
+    data = {**stored_config(StorageRoot.of(storage), run_id), "run_id": run_id}
+    if rounds is not None:
+        data["rounds"] = rounds
+    try:
+        return CampaignConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"the stored config of campaign {run_id} no longer validates ({describe_validation_error(exc, None)}); "
+                          "pass --config with the equivalent config for this version") from None
+
+
+def _check_before_starting(config, storage: str, resume: bool, takeover: bool) -> None:
+    """Every input and ownership check the flow makes first, made here before Prefect starts, so a
+    problem costs a second and ends in one line with nothing written. The flow repeats them (cheap)."""
+    from storage.campaigns import claim
+    from storage.paths import StorageRoot
+    from tasks.preflight import run_preflight
+
+    if config.run_id:
+        claim(StorageRoot.of(storage), config.run_id, config.model_dump(mode="json"), config.identity(),
+              "resume" if resume else "new", takeover, dry_run=True)
+    run_preflight(config.round, storage)
+
+
 def _settings_storage() -> str:
     from storage.settings import settings
 
     return settings().storage
+
+
+def _with_rollout(config, **fields):
+    """``run --replicas/--ray-address`` applied to round.rollout, validated like a config file's values."""
+    from pydantic import ValidationError
+
+    from flows.config import CampaignConfig, ConfigError, describe_validation_error
+
+    fields = {k: v for k, v in fields.items() if v is not None}
+    if not fields:
+        return config
+    data = config.model_dump(mode="json")
+    data["round"]["rollout"].update(fields)
+    try:
+        return CampaignConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(describe_validation_error(exc, None)) from None
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """Score a registered model version at a serving engine/dtype and at training precision."""
+    from flows.config import ConfigError, load_campaign_config
+
+    try:
+        config = load_campaign_config(args.config)
+    except ConfigError as exc:
+        raise UserError(str(exc)) from None
+    storage = args.storage or _settings_storage()
+    if "://" not in storage and not os.path.isdir(storage):
+        raise UserError(f"storage root {storage} does not exist; pass --storage or set RLROUNDS_STORAGE to where the rounds ran")
+    os.environ["RLROUNDS_STORAGE"] = storage
+    from flows.evaluate import rl_evaluate
+
+    r = rl_evaluate(args.model_version, config.round, args.engine, args.dtype, storage)
+    print(f"{r['model_version']}: held-out accuracy {r['eval/accuracy']:.1%} on {r['eval/engine']} {r['eval/dtype']}, "
+          f"{r['eval/accuracy_train_precision']:.1%} at training precision ({r['train_dtype']}), "
+          f"gap {r['eval/serving_gap']:+.1%} over {r['eval/prompts']} prompts", flush=True)
+    return 0
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -141,10 +222,25 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--config", help="YAML or JSON campaign config (see `rlrounds config`)")
     run.add_argument("--storage", help="storage root: a directory or s3://bucket/prefix (default $RLROUNDS_STORAGE or ./rlrounds-data)")
     run.add_argument("--run-id", help="campaign id (default: a fresh one)")
+    run.add_argument("--resume", metavar="RUN_ID", help="continue a stopped or killed campaign from its last committed stage "
+                     "(its stored config unless --config is given, which must match; --rounds may extend it)")
+    run.add_argument("--takeover", action="store_true", help="with --resume: take over although the recorded owner runs on "
+                     "another host (make sure it is gone)")
+    run.add_argument("--replicas", type=int, help="rollout engine replicas as Ray actors (default: the config's rollout.replicas, 1)")
+    run.add_argument("--ray-address", help="Ray cluster for the replicas, e.g. auto or ray://host:10001 (default: a local Ray)")
     run.set_defaults(func=cmd_run)
+
+    evaluate = sub.add_parser("eval", help="score a model version at a serving engine/precision and at training precision")
+    evaluate.add_argument("model_version", help="registered model version, NAME/VERSION")
+    evaluate.add_argument("--engine", choices=["embedded", "vllm"], help="serving engine (default: the config's evaluate.serving_engine)")
+    evaluate.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="serving precision (default: evaluate.serving_dtype)")
+    evaluate.add_argument("--config", help="campaign config whose evaluate, prompts and verify sections apply")
+    evaluate.add_argument("--storage", help="storage root the rounds ran on (default $RLROUNDS_STORAGE or ./rlrounds-data)")
+    evaluate.set_defaults(func=cmd_eval)
 
     config = sub.add_parser("config", help="print the default campaign config as YAML")
     config.set_defaults(func=cmd_config)
+    add_commands(sub)  # trajectories, refilter, replay, lineage, gc (flows/cli_data.py)
     return parser
 
 
@@ -176,12 +272,17 @@ def _known_input_error(exc: BaseException) -> str | None:
     from models.policy import PolicyLoadError
     from tasks.prompts import PromptError
 
-    known: tuple[type[BaseException], ...] = (PolicyLoadError, PromptError)
-    try:
-        from storage.lineage import LineageError
-        from storage.trajectories import TrajectoryStoreError
+    from storage.campaigns import CampaignError
+    from tasks.verify import InfraFailureRateError
 
-        known += (LineageError, TrajectoryStoreError)
+    known: tuple[type[BaseException], ...] = (PolicyLoadError, PromptError, CampaignError, InfraFailureRateError)
+    try:
+        from storage.checkpoints import CheckpointError
+        from storage.lineage import LineageError  # includes storage.audit.AuditError, tasks.replay.ReplayError
+        from storage.query import QueryError
+        from storage.trajectories import TrajectoryStoreError  # includes CorruptPartError
+
+        known += (LineageError, TrajectoryStoreError, QueryError, CheckpointError)
     except ImportError:
         pass
     seen: BaseException | None = exc

@@ -89,15 +89,21 @@ class CampaignConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    rounds: int = Field(16, ge=1, le=10_000)
+    rounds: int = Field(45, ge=1, le=10_000)
     """Rounds to run."""
     run_id: str | None = None
-    """Campaign id (directory and MLflow tag). Default: a fresh one. Reuse one to resume."""
+    """Campaign id (directory and MLflow tag). Default: a fresh one. An existing one is continued by
+    `rlrounds run --resume RUN_ID` (or by re-running the flow), never started over."""
     experiment: str = "rlrounds"
     """MLflow experiment holding the campaign run and its round runs."""
     stop_at_accuracy: float | None = Field(None, ge=0.0, le=1.0)
     """Stop early once a round's serving-precision held-out accuracy reaches this."""
     round: RoundConfig = RoundConfig()
+
+    def identity(self) -> dict:
+        """What a resume must match: everything that shapes a round. The round count and the stopping
+        rule may change, so a finished campaign can be extended with `--resume RUN_ID --rounds N`."""
+        return {"experiment": self.experiment, "round": self.round.model_dump(mode="json")}
 
     @field_validator("run_id")
     @classmethod

@@ -11,6 +11,7 @@ from prefect import flow
 from prefect.runtime import flow_run
 
 from flows.config import RoundConfig
+from flows.stages import Stages
 from tasks.context import RoundContext
 from tasks.evaluate import evaluate_task
 from tasks.filter import filter_task
@@ -48,24 +49,30 @@ def rl_round(config: RoundConfig, storage: str, run_id: str, round_index: int, e
         parent_model_version=parent_model_version, base_model=base_model, config_hash=config.config_hash(),
         code_version=code_version, flow_run_id=str(flow_run.id or "none"), mlflow_run_id=runs["round_run"], seed=config.seed,
     )
+    stage = Stages(ctx)  # each stage runs once per (run, round, inputs); a resumed round skips the recorded ones
     clock.lap("open")
-    rollout = rollout_task(ctx, config.prompts, config.rollout, config.verify, config.filter, config.target_groups)
+    rollout = stage.run("rollout", rollout_task, ctx, config.prompts, config.rollout, config.verify, config.filter, config.target_groups)
     clock.lap("rollout")
-    trajectories = filter_task(ctx, rollout["staging"], config.filter, config.target_groups)
+    trajectories = stage.run("filter", filter_task, ctx, rollout["staging"], config.filter, config.target_groups, rollout["stats"])
     clock.lap("filter")
-    trained = train_task(ctx, trajectories["uri"], config.train, config.rollout.temperature, config.rollout.dtype)
+    trained = stage.run("train", train_task, ctx, trajectories["uri"], config.train, config.rollout.temperature, config.rollout.dtype)
     clock.lap("train")
-    published = publish_task(ctx, config.publish, trained["checkpoint"], trajectories["version"], trajectories["uri"],
-                             trained["committed_at"], config.rollout.engine, config.rollout.dtype, config.rollout.max_batch)
+    published = stage.run("publish", publish_task, ctx, config.publish, trained["checkpoint"], trajectories["version"],
+                          trajectories["uri"], trained["committed_at"], config.rollout.engine, config.rollout.dtype,
+                          config.rollout.max_batch)
     clock.lap("publish")
-    evaluation = evaluate_task(ctx, config.evaluate, config.prompts, config.verifier, trained["checkpoint"], published["model_version"])
+    evaluation = stage.run("evaluate", evaluate_task, ctx, config.evaluate, config.prompts, config.verifier, trained["checkpoint"],
+                           published["model_version"])
     clock.lap("evaluate")
-    stats = {**rollout["stats"], **trajectories["stats"], **trained["stats"], **published["stats"], **evaluation, **clock.total()}
-    record_round_task(storage, runs["round_run"], run_id, round_index, stats, published["model_version"], trajectories["version"])
+    stats = {**rollout["stats"], **trajectories["stats"], **trained["stats"], **published["stats"], **evaluation, **clock.total(),
+             "resume/stages_skipped": len(stage.skipped)}
+    stage.run("record", record_round_task, storage, runs["round_run"], run_id, round_index, stats, published["model_version"],
+              trajectories["version"])
     return {
         "round": round_index,
         "checkpoint": trained["checkpoint"],
         "model_version": published["model_version"],
         "trajectory_version": trajectories["version"],
         "stats": stats,
+        "resumed_stages": stage.skipped,
     }

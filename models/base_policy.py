@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from models import addition
 from models.tokenizer import build_char_tokenizer
 
-RECIPE_VERSION = "1"
+RECIPE_VERSION = "2"
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,7 @@ class BaseRecipe:
     batch_size: int = 128
     learning_rate: float = 1e-3
     seed: int = 0
+    threads: int = 2  # float reductions split by thread count: fixing it makes every machine build the same policy
 
 
 def build_model(recipe: BaseRecipe, vocab_size: int, tokenizer):
@@ -56,10 +57,21 @@ def build_base_policy(out_dir: str, recipe: BaseRecipe = BaseRecipe(), progress=
     """Train the base policy into ``out_dir`` (local). Returns its metadata (with held-out accuracy)."""
     import torch
 
+    start = time.perf_counter()
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(recipe.threads)
+    try:
+        return _build(out_dir, recipe, progress, start)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _build(out_dir: str, recipe: BaseRecipe, progress, start: float) -> dict:
+    import torch
+
     from models.engine import EmbeddedEngine
     from models.policy import pack_sequences, save_policy
 
-    start = time.perf_counter()
     torch.manual_seed(recipe.seed)
     tokenizer = build_char_tokenizer()
     model = build_model(recipe, len(tokenizer), tokenizer)

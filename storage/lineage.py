@@ -41,13 +41,29 @@ def tracking_uris(settings: Settings, root: StorageRoot) -> tuple[str, str]:
     elif root.is_local:
         tracking = f"sqlite:///{root.mlflow_db()}"
     else:
-        # A SQLite file cannot live on S3; keep it beside the local cache unless a server is given.
-        from storage.paths import local_cache_dir
+        # A SQLite file cannot live on S3: keep one per root in the local cache unless a server is given
+        # (set RLROUNDS_MLFLOW_URI to share a registry between machines).
+        from storage.paths import local_mlflow_db
 
-        os.makedirs(local_cache_dir(), exist_ok=True)
-        tracking = f"sqlite:///{os.path.join(local_cache_dir(), 'mlflow.db')}"
+        tracking = f"sqlite:///{local_mlflow_db(root.uri)}"
     artifacts = settings.mlflow_artifacts or root.mlflow_artifacts()
     return tracking, artifacts
+
+
+def probe_server(tracking: str, timeout_s: float = 5.0) -> None:
+    """Fail in seconds when nothing answers at a tracking server: MLflow's own client retries with
+    back-off for minutes before it gives up on a refused connection."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(tracking.rstrip("/") + "/health", timeout=timeout_s).close()
+    except urllib.error.HTTPError:
+        pass  # something answered; whether it is MLflow, the first real call tells
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", None) or exc
+        raise LineageError(f"cannot reach MLflow at {tracking} ({reason}); start the tracking server, "
+                           "or set RLROUNDS_MLFLOW_URI to a reachable one (unset it to use SQLite in the storage root)") from None
 
 
 @dataclass
@@ -56,15 +72,24 @@ class Tracker:
     artifact_location: str
 
     @classmethod
-    def connect(cls, settings: Settings, root: StorageRoot) -> "Tracker":
+    def connect(cls, settings: Settings, root: StorageRoot, must_exist: bool = False) -> "Tracker":
+        """``must_exist``: for read-only commands, refuse to create an empty SQLite store."""
         import logging
 
         logging.getLogger("alembic").setLevel(logging.WARNING)
+        tracking, artifacts = tracking_uris(settings, root)
+        if settings.s3_endpoint:  # MLflow's S3 artifact store reads its endpoint from this variable only
+            os.environ["MLFLOW_S3_ENDPOINT_URL"] = settings.s3_endpoint
+        if tracking.startswith("sqlite:///"):
+            db = tracking.removeprefix("sqlite:///")
+            if must_exist and not os.path.exists(db):
+                raise LineageError(f"no MLflow registry at {db}; run a campaign with this storage root first, "
+                                   "or set RLROUNDS_MLFLOW_URI to the tracking server the rounds used")
+            os.makedirs(os.path.dirname(db) or ".", exist_ok=True)
+        if tracking.startswith(("http://", "https://")):
+            probe_server(tracking)
         from mlflow import MlflowClient
 
-        tracking, artifacts = tracking_uris(settings, root)
-        if tracking.startswith("sqlite:///"):
-            os.makedirs(os.path.dirname(tracking.removeprefix("sqlite:///")) or ".", exist_ok=True)
         try:
             client = MlflowClient(tracking_uri=tracking, registry_uri=tracking)
             client.search_experiments(max_results=1)

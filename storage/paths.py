@@ -4,11 +4,14 @@ The storage root is any fsspec URI: a local directory (default ``./rlrounds-data
 ``s3://bucket/prefix``. Layout:
 
     <root>/base/<name>/                                         cached built-in base policy
-    <root>/runs/<run_id>/campaign.json                          the campaign's config and owner
+    <root>/runs/<run_id>/campaign.json                          the campaign's config and owner (created exclusively)
+    <root>/runs/<run_id>/owners/<generation>.json               each resume's takeover (created exclusively)
+    <root>/runs/<run_id>/rounds/<n>/stages/<stage>.json         a stage's result, written once its output is committed
     <root>/runs/<run_id>/rounds/<n>/staging/                    rollout output not yet committed
     <root>/runs/<run_id>/rounds/<n>/trajectories/<version>/     part-*.parquet + manifest.json (the commit)
     <root>/runs/<run_id>/rounds/<n>/checkpoint/                 Hugging Face dir + lineage.json (written last)
     <root>/derived/<version>/                                   re-filtered versions
+    <root>/replays/<replay_id>/checkpoint/                      checkpoints trained by `rlrounds replay`
     <root>/mlflow.db, <root>/mlartifacts/                       default MLflow stores for a local root
 """
 
@@ -51,6 +54,14 @@ class StorageRoot:
     def join(self, *parts: object) -> str:
         return posixpath.join(self.uri, *(str(p) for p in parts))
 
+    def glob(self, pattern: str) -> list[str]:
+        """URIs matching ``pattern`` (a URI under this root with * wildcards), sorted.
+
+        fsspec globs remote paths without their protocol and answers without it; both are fixed here."""
+        protocol, sep, bare = pattern.partition("://")
+        hits = self.fs.glob(bare if sep else pattern)
+        return sorted(f"{protocol}://{h}" if sep and "://" not in h else h for h in hits)
+
     # -- locations ------------------------------------------------------------------------------
 
     def base_policy(self, name: str) -> str:
@@ -64,6 +75,15 @@ class StorageRoot:
 
     def campaign_file(self, run_id: str) -> str:
         return self.join("runs", run_id, "campaign.json")
+
+    def campaign_owner(self, run_id: str, generation: int) -> str:
+        return self.join("runs", run_id, "owners", f"{generation:06d}.json")
+
+    def campaign_owners(self, run_id: str) -> str:
+        return self.join("runs", run_id, "owners")
+
+    def stage_record(self, run_id: str, round_index: int, stage: str) -> str:
+        return self.join("runs", run_id, "rounds", round_index, "stages", f"{stage}.json")
 
     def round_dir(self, run_id: str, round_index: int) -> str:
         return self.join("runs", run_id, "rounds", round_index)
@@ -86,6 +106,9 @@ class StorageRoot:
     def checkpoint(self, run_id: str, round_index: int) -> str:
         return self.join("runs", run_id, "rounds", round_index, "checkpoint")
 
+    def replay_checkpoint(self, replay_id: str) -> str:
+        return self.join("replays", replay_id, "checkpoint")
+
     def mlflow_db(self) -> str:
         return self.join("mlflow.db")
 
@@ -99,9 +122,34 @@ class StorageRoot:
             self.join("derived", "*", MANIFEST),
         ]
 
+    def round_of(self, path: str) -> tuple[str, int] | None:
+        """(run_id, round) of a path under ``<root>/runs/<run_id>/rounds/<n>/``, else None."""
+        parts = path.removeprefix(self.uri).strip("/").split("/")
+        if len(parts) >= 4 and parts[0] == "runs" and parts[2] == "rounds" and parts[3].isdigit():
+            return parts[1], int(parts[3])
+        return None
+
+    def leftover_globs(self) -> dict[str, list[str]]:
+        """Patterns of directories that hold uncommitted output until their commit marker appears.
+
+        kind -> patterns. 'trajectories' commit with manifest.json, 'checkpoint' with lineage.json;
+        'staging' never commits (filter deletes it once the version is committed).
+        """
+        return {
+            "trajectories": [self.join("runs", "*", "rounds", "*", "trajectories", "*"), self.join("derived", "*")],
+            "checkpoint": [self.join("runs", "*", "rounds", "*", "checkpoint"), self.join("base", "*"),
+                           self.join("replays", "*", "checkpoint")],
+            "staging": [self.join("runs", "*", "rounds", "*", "staging")],
+        }
+
 
 def manifest_of(version_dir: str) -> str:
     return posixpath.join(version_dir, MANIFEST)
+
+
+def manifest_partial_of(version_dir: str) -> str:
+    """Where a local manifest is written before it is renamed into place (the rename is the commit)."""
+    return posixpath.join(version_dir, MANIFEST + ".partial")
 
 
 def lineage_of(checkpoint_dir: str) -> str:
@@ -115,3 +163,12 @@ def child(directory: str, name: str) -> str:
 def local_cache_dir() -> str:
     """Where remote checkpoints are copied before torch loads them."""
     return os.environ.get("RLROUNDS_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "rlrounds"))
+
+
+def local_mlflow_db(root_uri: str) -> str:
+    """The SQLite MLflow store of a remote root (SQLite cannot live on S3): one per root, in the cache,
+    so two remote roots never share a registry."""
+    import hashlib
+
+    key = hashlib.sha256(root_uri.encode()).hexdigest()[:12]
+    return os.path.join(local_cache_dir(), "mlflow", key, "mlflow.db")

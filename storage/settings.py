@@ -38,9 +38,14 @@ def _fs(protocol: str, endpoint: str | None, retries: int) -> Any:
 
     if protocol == "s3":
         client_kwargs = {"endpoint_url": endpoint} if endpoint else {}
-        return fsspec.filesystem(
-            "s3", client_kwargs=client_kwargs, retries=retries, config_kwargs={"retries": {"max_attempts": retries + 1, "mode": "standard"}}
+        # Two layers retry transient errors: botocore ("standard" mode: throttling, 5xx, connection
+        # errors, with jittered back-off) inside each call, and s3fs around whole calls (timeouts,
+        # SlowDown). ``retries`` is an attribute of the s3fs instance, not a constructor argument.
+        fs = fsspec.filesystem(
+            "s3", client_kwargs=client_kwargs, config_kwargs={"retries": {"max_attempts": retries + 1, "mode": "standard"}}
         )
+        fs.retries = retries + 1
+        return fs
     return fsspec.filesystem(protocol)
 
 

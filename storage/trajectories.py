@@ -18,7 +18,7 @@ import posixpath
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from storage.paths import MANIFEST, StorageRoot, child, manifest_of, part_name
+from storage.paths import MANIFEST, StorageRoot, child, manifest_of, manifest_partial_of, part_name
 
 SCHEMA_VERSION = "1.0"
 ROWS_PER_PART = 50_000
@@ -131,6 +131,14 @@ class Manifest:
     def parent(self) -> str | None:
         return self.body.get("parent")
 
+    @property
+    def kind(self) -> str:
+        return self.body.get("kind", "?")
+
+    @property
+    def derivation(self) -> dict:
+        return self.body.get("derivation") or {}
+
 
 def write_version(root: StorageRoot, directory_for, table, meta: dict[str, Any]) -> Manifest:
     """Commit ``table`` as a new version. ``directory_for(version) -> URI`` places it.
@@ -155,13 +163,22 @@ def write_version(root: StorageRoot, directory_for, table, meta: dict[str, Any])
     for part, blob in zip(parts, blobs):
         with fs.open(child(directory, part["path"]), "wb") as f:
             f.write(blob)
-    _write_json(fs, manifest_of(directory), {"version": version, **body})  # the commit
+    _commit_manifest(root, directory, {"version": version, **body})
     return Manifest(version, directory, body)
 
 
-def _write_json(fs, path: str, obj: dict) -> None:
-    with fs.open(path, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
+def _commit_manifest(root: StorageRoot, directory: str, body: dict) -> None:
+    """The commit. An S3 PUT appears whole or not at all; a local file is written aside and renamed,
+    so a crash mid-write never leaves a truncated manifest.json."""
+    text = json.dumps(body, indent=2, sort_keys=True)
+    if not root.is_local:
+        with root.fs.open(manifest_of(directory), "w") as f:
+            f.write(text)
+        return
+    partial = manifest_partial_of(directory)
+    with root.fs.open(partial, "w") as f:
+        f.write(text)
+    root.fs.mv(partial, manifest_of(directory))
 
 
 def read_manifest(root: StorageRoot, directory: str) -> Manifest:
@@ -171,7 +188,11 @@ def read_manifest(root: StorageRoot, directory: str) -> Manifest:
             body = json.load(f)
     except FileNotFoundError:
         raise TrajectoryStoreError(f"no committed trajectory version at {directory} (manifest.json missing)") from None
-    version = body.pop("version")
+    except ValueError as exc:
+        raise CorruptPartError(f"trajectory version {posixpath.basename(directory)}: manifest {path} is not valid JSON ({exc})") from None
+    version = body.pop("version", None)
+    if not isinstance(version, str):
+        raise CorruptPartError(f"trajectory version {posixpath.basename(directory)}: manifest {path} has no version field")
     check_schema_version(body.get("schema_version", "?"), f"trajectory version {version}")
     if version_id(body) != version:
         raise CorruptPartError(f"manifest of trajectory version {version} at {path} does not match its content hash")
@@ -199,40 +220,48 @@ def read_table(root: StorageRoot, manifest: Manifest, columns: Iterable[str] | N
         table = pq.read_table(io.BytesIO(blob), columns=list(columns) if columns else None)
         tables.append(table)
     table = pa.concat_tables(tables) if tables else arrow_schema().empty_table()
-    return table.append_column("trajectory_version", pa.array([manifest.version] * table.num_rows, pa.string()))
+    return table.append_column("trajectory_version", pa.repeat(pa.scalar(manifest.version, pa.string()), table.num_rows))
 
 
 def list_manifests(root: StorageRoot) -> list[Manifest]:
     """Every committed version under the root (directories without a manifest are invisible)."""
     found = []
     for pattern in root.manifest_globs():
-        for path in sorted(root.fs.glob(_strip(root, pattern))):
-            directory = posixpath.dirname(path)
-            found.append(read_manifest(root, _restore(root, directory)))
+        for path in root.glob(pattern):
+            found.append(read_manifest(root, posixpath.dirname(path)))
     return found
 
 
 def find_version(root: StorageRoot, version: str) -> Manifest:
     """Resolve a version id (or a unique prefix of at least 6 characters) to its manifest."""
-    if len(version) < 6:
-        raise TrajectoryStoreError(f"trajectory version {version!r} is too short; give at least 6 characters")
+    if len(version) < 6 or not all(c in "0123456789abcdef" for c in version):
+        raise TrajectoryStoreError(f"trajectory version {version!r} must be at least 6 hex characters of a version id; "
+                                   "list them with `rlrounds trajectories list`")
     hits = []
     for pattern in root.manifest_globs():
-        pattern = pattern.replace(f"/*/{MANIFEST}", f"/{version}*/{MANIFEST}")
-        hits += root.fs.glob(_strip(root, pattern))
+        hits += root.glob(pattern.replace(f"/*/{MANIFEST}", f"/{version}*/{MANIFEST}"))
     if not hits:
         raise TrajectoryStoreError(f"no committed trajectory version {version!r} under {root.uri}; list them with `rlrounds trajectories list`")
     if len({posixpath.basename(posixpath.dirname(h)) for h in hits}) > 1:
         raise TrajectoryStoreError(f"trajectory version prefix {version!r} is ambiguous; give more characters")
-    return read_manifest(root, _restore(root, posixpath.dirname(hits[0])))
+    return read_manifest(root, posixpath.dirname(hits[0]))
 
 
-def _strip(root: StorageRoot, uri: str) -> str:
-    """fsspec glob wants protocol-less paths for remote filesystems."""
-    return uri.split("://", 1)[1] if "://" in uri else uri
+def committed_round_version(root: StorageRoot, run_id: str, round_index: int) -> Manifest | None:
+    """The trajectory version a round committed, or None: how a resumed round knows rollout is done.
+
+    One glob under the round's own directory, so it stays cheap however many rounds the root holds."""
+    hits = root.glob(manifest_of(root.trajectory_version(run_id, round_index, "*")))
+    if len(hits) > 1:
+        versions = ", ".join(sorted(posixpath.basename(posixpath.dirname(h)) for h in hits))
+        raise TrajectoryStoreError(f"round {round_index} of run {run_id} has {len(hits)} committed trajectory versions "
+                                   f"({versions}); a round commits one, so remove the one its checkpoint does not name")
+    return read_manifest(root, posixpath.dirname(hits[0])) if hits else None
 
 
-def _restore(root: StorageRoot, path: str) -> str:
-    if "://" in root.uri and "://" not in path:
-        return f"{root.uri.split('://', 1)[0]}://{path}"
-    return path
+def parent_chain(root: StorageRoot, manifest: Manifest, limit: int = 100) -> list[Manifest]:
+    """``manifest`` and its ancestors, nearest first, up to the rollout version a derivation started from."""
+    chain = [manifest]
+    while chain[-1].parent and len(chain) < limit:
+        chain.append(find_version(root, chain[-1].parent))
+    return chain

@@ -27,6 +27,8 @@ def run_prepare_base(storage: str, base_model: str, progress=None) -> dict:
     target = root.base_policy(name)
     if not checkpoints.is_committed(root, target):
         with tempfile.TemporaryDirectory(prefix="rlrounds-base-") as tmp:
+            if progress is None:
+                from tasks.report import report_progress as progress
             meta = build_base_policy(tmp, progress=progress)
             checkpoints.commit_checkpoint(root, tmp, target, {"kind": "base", **meta})
         built = True

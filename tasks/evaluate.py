@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from models.engine import GroupRequest, SamplingParams
 from tasks.verify import Outcome, get_verifier, run_verifier
@@ -23,14 +23,21 @@ class EvaluateConfig(BaseModel):
 
     source: str | None = None
     """Held-out prompts (.jsonl/.parquet). Default: the built-in task's fixed 500 held-out prompts."""
-    serving_engine: Literal["embedded"] = "embedded"
-    """Engine the policy is served with; accuracy on it gates promotion."""
+    serving_engine: Literal["embedded", "vllm"] = "embedded"
+    """Engine the policy is served with ('embedded' or 'vllm'); accuracy on it gates promotion."""
     serving_dtype: str = "float32"
     """Precision the policy is served at (e.g. bfloat16)."""
     max_tokens: int = Field(8, ge=1)
     """Most new tokens per greedy answer."""
     champion_alias: str = "champion"
     """Registry alias moved to a checkpoint whose serving accuracy is not below the current champion's."""
+
+    @field_validator("serving_dtype")
+    @classmethod
+    def _dtype_known(cls, v: str) -> str:
+        if v not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"evaluate.serving_dtype {v!r} is unknown; use float32, bfloat16 or float16")
+        return v
 
 
 def accuracy(engine, tokenizer, prompts, verifier_name: str, max_tokens: int) -> dict[str, float]:
@@ -51,12 +58,25 @@ def accuracy(engine, tokenizer, prompts, verifier_name: str, max_tokens: int) ->
     return {"accuracy": successes / scored, "prompts": len(prompts), "infra_failures": infra, "mean_tokens": lengths / max(len(prompts), 1)}
 
 
-def evaluate_checkpoint(local_dir: str, prompts, verifier_name: str, config: EvaluateConfig, train_dtype: str = "float32") -> dict[str, float | str]:
-    """Score a local checkpoint on the serving engine/dtype and, if different, the training precision."""
-    from tasks.engines import make_engine
+def evaluate_checkpoint(local_dir: str, prompts, verifier_name: str, config: EvaluateConfig, train_dtype: str = "float32",
+                        policy_version: int | None = None) -> dict[str, float | str]:
+    """Score a local checkpoint on the serving engine/dtype and, if different, the training precision.
 
-    engine, tokenizer = make_engine(config.serving_engine, local_dir, config.serving_dtype, policy_version=0)
-    serving = accuracy(engine, tokenizer, prompts, verifier_name, config.max_tokens)
+    With ``policy_version`` the live serving engine of that kind and dtype is used (weights loaded in
+    place if it serves another checkpoint): a vLLM engine is started once per campaign, not per round.
+    Without it, a fresh engine is made and released after scoring.
+    """
+    from tasks.engines import close_engine, make_engine, serving_engine
+
+    if policy_version is None:
+        engine, tokenizer = make_engine(config.serving_engine, local_dir, config.serving_dtype, policy_version=0)
+    else:
+        engine, tokenizer, _ = serving_engine(config.serving_engine, local_dir, config.serving_dtype, policy_version)
+    try:
+        serving = accuracy(engine, tokenizer, prompts, verifier_name, config.max_tokens)
+    finally:
+        if policy_version is None:
+            close_engine(engine)
     out: dict[str, float | str] = {
         "eval/accuracy": serving["accuracy"],
         "eval/prompts": serving["prompts"],
@@ -76,11 +96,36 @@ def evaluate_checkpoint(local_dir: str, prompts, verifier_name: str, config: Eva
     return out
 
 
+def evaluation_tags(result: dict) -> dict[str, float | str]:
+    """The eval.* tags a registered model version carries (read back by `rlrounds lineage`)."""
+    return {
+        "eval.accuracy": result["eval/accuracy"],
+        "eval.accuracy_train_precision": result["eval/accuracy_train_precision"],
+        "eval.serving_gap": result["eval/serving_gap"],
+        "eval.engine": result["eval/engine"],
+        "eval.dtype": result["eval/dtype"],
+        "eval.prompts": result["eval/prompts"],
+    }
+
+
+PROMOTED_TAG = "eval.promoted"  # written last: a version carrying it has been evaluated and gated
+
+
+def recorded_evaluation(tags: dict[str, str]) -> dict[str, float | str]:
+    """The stage's result, read back from a version's tags (a resumed round does not evaluate twice)."""
+    text = {"eval/engine": tags.get("eval.engine", "?"), "eval/dtype": tags.get("eval.dtype", "?")}
+    numbers = ("accuracy", "accuracy_train_precision", "serving_gap", "prompts", "infra_failures", "mean_tokens", "promoted")
+    return {**{f"eval/{k}": float(tags[f"eval.{k}"]) for k in numbers if f"eval.{k}" in tags}, **text}
+
+
 # -- the stage ------------------------------------------------------------------------------------
 
 def run_evaluate(ctx, config: EvaluateConfig, prompts_config, verifier_name: str, checkpoint_uri: str,
                  model_version: str | None, train_dtype: str = "float32") -> dict:
-    """Score the checkpoint, record it on the round's run and the model version, apply the champion gate."""
+    """Score the checkpoint, record it on the round's run and the model version, apply the champion gate.
+
+    Idempotent: a version already carrying ``eval.promoted`` returns its recorded evaluation; a crash
+    before that tag re-runs the (greedy, deterministic) evaluation and reaches the same gate decision."""
     from storage import checkpoints
     from storage.lineage import Tracker
     from storage.paths import StorageRoot
@@ -88,30 +133,75 @@ def run_evaluate(ctx, config: EvaluateConfig, prompts_config, verifier_name: str
     from tasks.prompts import evaluation_prompts
 
     root = StorageRoot.of(ctx.storage)
+    tracker = Tracker.connect(settings(), root)
+    if model_version:
+        recorded = tracker.model_version(*model_version.split("/")).tags
+        if PROMOTED_TAG in recorded:
+            return recorded_evaluation(recorded)
     local = checkpoints.local_copy(root, checkpoint_uri)
     prompts = evaluation_prompts(prompts_config, config.source)
-    result = evaluate_checkpoint(local, prompts, verifier_name, config, train_dtype)
-    tracker = Tracker.connect(settings(), root)
+    result = evaluate_checkpoint(local, prompts, verifier_name, config, train_dtype, policy_version=ctx.round)
     promoted = False
     if model_version:
         name, version = model_version.split("/")
-        tracker.tag_model_version(name, version, {
-            "eval.accuracy": result["eval/accuracy"],
-            "eval.accuracy_train_precision": result["eval/accuracy_train_precision"],
-            "eval.serving_gap": result["eval/serving_gap"],
-            "eval.engine": result["eval/engine"],
-            "eval.dtype": result["eval/dtype"],
-            "eval.prompts": result["eval/prompts"],
-        })
+        tracker.tag_model_version(name, version, {**evaluation_tags(result), "eval.infra_failures": result["eval/infra_failures"],
+                                                  "eval.mean_tokens": result["eval/mean_tokens"]})
         champion = tracker.alias_version(name, config.champion_alias)
         best = float(tracker.model_version(name, champion).tags.get("eval.accuracy", "-1")) if champion else -1.0
         if result["eval/accuracy"] >= best:
             tracker.set_alias(name, config.champion_alias, version)
             promoted = True
+        tracker.tag_model_version(name, version, {PROMOTED_TAG: float(promoted)})
     return {**result, "eval/promoted": float(promoted)}
+
+
+def precision_tags(result: dict) -> dict[str, float | str]:
+    """Tags keyed by engine and dtype (``eval.vllm.bfloat16.accuracy``), so evaluations of one model
+    version at several serving precisions sit side by side instead of overwriting each other."""
+    where = f"eval.{result['eval/engine']}.{result['eval/dtype']}"
+    return {
+        f"{where}.accuracy": result["eval/accuracy"],
+        f"{where}.accuracy_train_precision": result["eval/accuracy_train_precision"],
+        f"{where}.serving_gap": result["eval/serving_gap"],
+        f"{where}.prompts": result["eval/prompts"],
+    }
+
+
+def run_evaluate_version(storage: str, model_version: str, config: EvaluateConfig, prompts_config, verifier_name: str,
+                         train_dtype: str = "float32") -> dict:
+    """Score a registered model version ('NAME/VERSION') at ``config``'s serving engine and dtype and at
+    training precision; tag both and the gap on the version. The champion alias is not touched."""
+    from storage import checkpoints
+    from storage.lineage import LineageError, Tracker
+    from storage.paths import StorageRoot
+    from storage.settings import settings
+    from tasks.prompts import evaluation_prompts
+
+    if model_version.count("/") != 1:
+        raise LineageError(f"model version {model_version!r} must be NAME/VERSION, e.g. rlrounds-policy/3")
+    name, version = model_version.split("/")
+    root = StorageRoot.of(storage)
+    tracker = Tracker.connect(settings(), root)
+    try:
+        registered = tracker.model_version(name, version)
+    except Exception as exc:  # noqa: BLE001 -- MLflow raises its own error type for a missing version
+        raise LineageError(f"no registered model version {model_version} in {storage}; list versions with `rlrounds lineage`") from exc
+    local = checkpoints.local_copy(root, registered.source)
+    prompts = evaluation_prompts(prompts_config, config.source)
+    round_tag = str(registered.tags.get("round", ""))
+    # With its policy version known, the version is scored on the live serving engine when this
+    # process has one of that kind and dtype (weights swapped in place) instead of starting another.
+    result = evaluate_checkpoint(local, prompts, verifier_name, config, train_dtype,
+                                 policy_version=int(round_tag) if round_tag.isdigit() else None)
+    tags = precision_tags(result)
+    if "eval.accuracy" not in registered.tags:  # never evaluated: this becomes its evaluation
+        tags.update(evaluation_tags(result))
+    tracker.tag_model_version(name, version, tags)
+    return {"model_version": model_version, "checkpoint": registered.source, "train_dtype": train_dtype, **result}
 
 
 from prefect import task  # noqa: E402 -- the thin Prefect wrapper stays at the bottom
 from prefect.cache_policies import NO_CACHE  # noqa: E402
 
 evaluate_task = task(name="evaluate", cache_policy=NO_CACHE)(run_evaluate)
+evaluate_version_task = task(name="evaluate-version", cache_policy=NO_CACHE)(run_evaluate_version)

@@ -129,14 +129,25 @@ def filter_stats(rows: list[dict]) -> dict[str, float]:
 
 # -- the stage ------------------------------------------------------------------------------------
 
-def run_filter(ctx, staging_uri: str, config: FilterConfig, target_groups: int) -> dict:
-    """Filter the staged rollout and commit it as this round's trajectory version."""
+def run_filter(ctx, staging_uri: str | None, config: FilterConfig, target_groups: int, rollout_stats: dict | None = None) -> dict:
+    """Filter the staged rollout and commit it as this round's trajectory version.
+
+    ``rollout_stats`` travel in the manifest, so a resumed round still reports how its rollout went.
+    Idempotent: once the round's version is committed it is returned as it is (staging is gone by then)."""
     from storage.paths import StorageRoot
-    from storage.trajectories import rows_to_table, write_version
+    from storage.trajectories import TrajectoryStoreError, committed_round_version, read_table, rows_to_table, write_version
 
     import pyarrow.parquet as pq
 
     root = StorageRoot.of(ctx.storage)
+    committed = committed_round_version(root, ctx.run_id, ctx.round)
+    if committed is not None:
+        rows = read_table(root, committed, columns=["group_id", "kept", "drop_reason"]).to_pylist()
+        return {"version": committed.version, "uri": committed.directory, "stats": filter_stats(rows), "resumed": True}
+    if staging_uri is None or not root.fs.exists(staging_uri):
+        raise TrajectoryStoreError(f"round {ctx.round} of run {ctx.run_id}: the staged rollout {staging_uri} is gone and no trajectory "
+                                   f"version is committed; delete {root.stage_record(ctx.run_id, ctx.round, 'rollout')} and resume "
+                                   "to generate the round again")
     with root.fs.open(staging_uri, "rb") as f:
         rows = pq.read_table(f).to_pylist()
     rows = apply_decisions(rows, decide(rows, config), target_groups)
@@ -147,10 +158,11 @@ def run_filter(ctx, staging_uri: str, config: FilterConfig, target_groups: int) 
         "parent": None,
         "derivation": {"filter": config.model_dump(mode="json"), "target_groups": target_groups,
                        "policy_version": ctx.parent_policy_version},
+        "rollout_stats": rollout_stats or {},
     }
     manifest = write_version(root, lambda v: root.trajectory_version(ctx.run_id, ctx.round, v), rows_to_table(rows), meta)
     root.fs.rm(root.staging(ctx.run_id, ctx.round), recursive=True)  # committed: the staging copy is redundant
-    return {"version": manifest.version, "uri": manifest.directory, "stats": filter_stats(rows)}
+    return {"version": manifest.version, "uri": manifest.directory, "stats": filter_stats(rows), "resumed": False}
 
 
 from prefect import task  # noqa: E402 -- the thin Prefect wrapper stays at the bottom

@@ -63,11 +63,19 @@ def load_prompt_file(uri: str, task: str) -> list[Prompt]:
                 records = pq.read_table(f).to_pylist()
     except FileNotFoundError:
         raise PromptError(f"prompt file {uri} does not exist; set prompts.source to an existing .jsonl or .parquet file") from None
+    except PromptError:
+        raise
+    except Exception as exc:  # noqa: BLE001 -- not UTF-8, not Parquet, a directory, no permission: the file's problem
+        kind = "UTF-8 JSON lines" if uri.endswith(".jsonl") else "a Parquet file"
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise PromptError(f"prompt file {uri} cannot be read as {kind} ({reason}); rewrite it with columns prompt and reference") from None
     prompts = []
     for i, rec in enumerate(records):
         if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str) or rec.get("reference") is None:
             raise PromptError(f"{uri}: record {i + 1} lacks a string 'prompt' and a 'reference'; every record needs both")
         text = rec["prompt"]
+        if not text.strip():
+            raise PromptError(f"{uri}: record {i + 1} has an empty prompt; remove it or give it text")
         digest = hashlib.sha256(f"{text}\x00{rec['reference']}".encode()).hexdigest()[:12]
         prompts.append(Prompt(prompt_id=str(rec.get("id", f"p-{digest}")), task=task, text=text, reference=str(rec["reference"])))
     if not prompts:

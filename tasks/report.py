@@ -61,7 +61,9 @@ def health_report(run_id: str, round_index: int, stats: dict[str, float], model_
         f"max {_fmt(s, 'train/mismatch_max_abs', '.2e')}, KL {_fmt(s, 'train/mismatch_kl', '.2e')}; TIS weight mean {_fmt(s, 'train/tis_mean', '.4f')} |",
         f"| environment reliability | success {_fmt(s, 'verify/success', '.0f')}, model failure {_fmt(s, 'verify/model_failure', '.0f')}, "
         f"infra failure {_fmt(s, 'verify/infra_failure', '.0f')}, unknown {_fmt(s, 'verify/unknown', '.0f')}; "
-        f"infra failure rate {_fmt(s, 'verify/infra_failure_rate', '.2%')} |",
+        f"infra failure rate {_fmt(s, 'verify/infra_failure_rate', '.2%')}; retries {_fmt(s, 'verify/infra_retries', '.0f')} "
+        f"(recovered {_fmt(s, 'verify/infra_recovered', '.0f')}), workers replaced {_fmt(s, 'verify/workers_replaced', '.0f')}, "
+        f"verifier timeouts {_fmt(s, 'verify/verifier_timeouts', '.0f')} |",
         f"| weight publication | publish latency {_fmt(s, 'publish/latency_s', '.3f', ' s')}; engine pause {_fmt(s, 'publish/engine_pause_s', '.4f', ' s')} |",
         f"| evaluation | accuracy at serving precision ({s.get('eval/engine', '?')}, {s.get('eval/dtype', '?')}) "
         f"{_fmt(s, 'eval/accuracy', '.1%')}; at training precision {_fmt(s, 'eval/accuracy_train_precision', '.1%')}; "
@@ -80,15 +82,19 @@ def health_report(run_id: str, round_index: int, stats: dict[str, float], model_
 
 def run_record_round(storage: str, mlflow_run_id: str, run_id: str, round_index: int, stats: dict[str, Any],
                      model_version: str | None, trajectory_version: str | None) -> str:
-    """Log the round's metrics and its health report (MLflow artifact + Prefect markdown artifact); close the run."""
+    """Log the round's metrics and its health report (MLflow artifact + Prefect markdown artifact); close the run.
+
+    Closing the run is the commit: a run already FINISHED is not logged to again."""
     from storage.lineage import Tracker
     from storage.paths import StorageRoot
     from storage.settings import settings
 
     tracker = Tracker.connect(settings(), StorageRoot.of(storage))
+    report = health_report(run_id, round_index, stats, model_version, trajectory_version)
+    if tracker.client.get_run(mlflow_run_id).info.status == "FINISHED":  # recorded before a crash: never log twice
+        return report
     numeric = {k: float(v) for k, v in stats.items() if isinstance(v, (int, float))}
     tracker.log(mlflow_run_id, metrics=numeric, step=round_index)
-    report = health_report(run_id, round_index, stats, model_version, trajectory_version)
     tracker.log_text(mlflow_run_id, report, "round_health_report.md")
     tracker.finish(mlflow_run_id)
     try:

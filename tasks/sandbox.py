@@ -164,18 +164,18 @@ def verify_python(completion_text: str, reference: str, limits: SandboxLimits | 
     """The registered ``python`` verifier: the completion's code, then the reference's tests."""
     limits = limits or SandboxLimits()
     if not reference.strip():
-        raise VerifierInfraError("the reference holds no tests")
+        raise VerifierInfraError("the reference holds no tests", retryable=False)
     try:  # a broken test file is the dataset's fault; the model's own syntax errors fail in the sandbox
         compile(reference, "tests.py", "exec")
     except SyntaxError as exc:
-        raise VerifierInfraError(f"the reference's tests do not compile: {exc}") from None
+        raise VerifierInfraError(f"the reference's tests do not compile: {exc}", retryable=False) from None
     return classify(run_sandboxed(extract_code(completion_text), reference, limits), limits)
 
 
 def run_sandboxed(solution: str, tests: str, limits: SandboxLimits) -> SandboxRun:
     """Run solution then tests in a fresh sandbox; returns what happened, raises on setup trouble."""
     if sys.platform != "linux" or os.geteuid() != 0:
-        raise VerifierInfraError("the Python sandbox needs Linux and root (for namespaces and a private uid)")
+        raise VerifierInfraError("the Python sandbox needs Linux and root (for namespaces and a private uid)", retryable=False)
     python = os.path.realpath(limits.python or getattr(sys, "_base_executable", sys.executable))
     uid = SANDBOX_UIDS.start + secrets.randbelow(len(SANDBOX_UIDS))
     nonce = secrets.token_hex(16)

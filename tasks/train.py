@@ -12,7 +12,7 @@ import os
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -30,7 +30,7 @@ class TrainConfig(BaseModel):
     """AdamW learning rate. 1e-4 is safe for the built-in policy; 5e-4 collapsed it in measurements."""
     groups_per_step: int = Field(64, ge=1)
     """Groups (prompts x samples_per_prompt) per optimizer step."""
-    steps_per_round: int = Field(32, ge=1)
+    steps_per_round: int = Field(16, ge=1)
     """Optimizer steps per round. The round's trainable batch is groups_per_step x steps_per_round groups."""
     max_grad_norm: float = Field(1.0, gt=0.0)
     """Global gradient-norm clip."""
@@ -122,7 +122,7 @@ def train_policy(model, pad_token_id: int, batches: list[TrainBatch], config: Tr
         with torch.no_grad():
             proximal = [token_logprobs(model, p, temperature) for p in packed]
     settings = config.loss_settings()
-    history: dict[str, list[float]] = {k: [] for k in ("loss", "clip_fraction", "grad_norm", "tis_mean", "kl", "ratio_mean")}
+    history: dict[str, list[float]] = {k: [] for k in ("loss", "clip_fraction", "grad_norm", "tis_mean", "tis_truncated_fraction", "kl", "ratio_mean")}
     lags: list[int] = []
     mismatch: dict[str, float] = {}
     model.train()
@@ -146,7 +146,8 @@ def train_policy(model, pad_token_id: int, batches: list[TrainBatch], config: Tr
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
         optimizer.step()
         for key, value in (("loss", float(out.loss.detach())), ("clip_fraction", out.clip_fraction), ("grad_norm", float(grad_norm)),
-                           ("tis_mean", out.tis_mean), ("kl", out.kl), ("ratio_mean", out.ratio_mean)):
+                           ("tis_mean", out.tis_mean), ("tis_truncated_fraction", out.tis_truncated_fraction), ("kl", out.kl),
+                           ("ratio_mean", out.ratio_mean)):
             history[key].append(value)
         # Staleness in optimizer steps: the weights being trained are `step` steps past the round's
         # starting policy, plus a whole round per policy version the token lags behind it.
@@ -181,14 +182,22 @@ def load_optimizer(directory: str) -> dict | None:
     return torch.load(path, weights_only=True) if os.path.exists(path) else None
 
 
-def timed(fn, *args, **kwargs) -> tuple[Any, float]:
-    start = time.perf_counter()
-    return fn(*args, **kwargs), time.perf_counter() - start
-
-
 # -- the stage ------------------------------------------------------------------------------------
 
-TRAIN_COLUMNS = ["group_id", "kept", "prompt_token_ids", "completion_token_ids", "rollout_logprobs", "advantage", "token_policy_versions"]
+TRAIN_COLUMNS = ["group_id", "kept", "prompt_token_ids", "completion_token_ids", "rollout_logprobs", "advantage",
+                 "token_policy_versions", "engine"]
+
+
+def needs_proximal(setting: str, rollout_dtype: str, engines: list[dict]) -> bool:
+    """Whether to recompute the trainer's logprobs at the sampling weights (enables truncated IS).
+
+    'auto' skips it only when every sample came from the embedded engine at float32, whose logprobs
+    match the trainer's to ~1e-6; any other engine (vLLM: other kernels, batching) or precision needs it.
+    """
+    if setting != "auto":
+        return setting == "always"
+    return rollout_dtype != "float32" or any((e or {}).get("name", "embedded") != "embedded" or (e or {}).get("dtype", "float32") != "float32"
+                                             for e in engines)
 
 
 def kept_rows(table) -> list[dict]:
@@ -222,8 +231,10 @@ def run_train(ctx, version_uri: str, config: TrainConfig, temperature: float, ro
     parent = checkpoints.local_copy(root, ctx.parent_checkpoint)
     model, tokenizer = load_policy(parent, dtype="float32")
     ref_model = load_policy(parent, dtype="float32")[0] if config.kl_coef > 0 else None
-    recompute = config.recompute_proximal == "always" or (config.recompute_proximal == "auto" and rollout_dtype != "float32")
+    recompute = needs_proximal(config.recompute_proximal, rollout_dtype, [r["engine"] for r in rows])
     batches = minibatches(rows, config.groups_per_step, config.steps_per_round)
+    if progress is None:
+        from tasks.report import report_progress as progress
     state, stats = train_policy(model, tokenizer.pad_token_id, batches, config, temperature, load_optimizer(parent),
                                 ctx.parent_policy_version, recompute, ref_model, progress)
     lineage = {

@@ -75,7 +75,7 @@ def verdict_from_reply(reply: dict[str, str]) -> Verdict:
     if status in (NOT_EQUAL, NO_ANSWER):
         return Verdict(0.0, Outcome.MODEL_FAILURE, detail)
     if status == BAD_REFERENCE:
-        raise VerifierInfraError(detail)
+        raise VerifierInfraError(detail, retryable=False)  # the dataset's fault: another attempt reads the same
     raise VerifierInfraError(f"math worker failed: {detail or reply!r}")
 
 

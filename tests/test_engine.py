@@ -83,3 +83,17 @@ def test_top_p_keeps_only_the_nucleus(policy):
     tiny = {s.group_id: s.token_ids for s in engine.generate(_requests(tok, 1, SamplingParams(temperature=1.0, top_p=1e-6, max_tokens=5, seed=4)))}
     greedy = {s.group_id: s.token_ids for s in engine.generate(_requests(tok, 1, SamplingParams(temperature=0.0, max_tokens=5)))}
     assert tiny == greedy
+
+
+def test_sampling_follows_the_softmax():
+    from models.engine import _Sequence, sample_tokens
+
+    # 4000 independent samples from one fixed distribution: frequencies within 3 standard errors
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    group = GroupRequest("g", (1,), 4000, SamplingParams(temperature=1.0, seed=11))
+    seqs = [_Sequence(group, i, seed=1000 + i) for i in range(4000)]
+    tokens, logprobs = sample_tokens(probs.log().repeat(4000, 1), seqs, eos_token_id=99)
+    freq = torch.bincount(tokens, minlength=4).float() / 4000
+    stderr = (probs * (1 - probs) / 4000).sqrt()
+    assert ((freq - probs).abs() < 3 * stderr + 1e-3).all(), freq
+    assert torch.allclose(logprobs, probs.log()[tokens])

@@ -1,6 +1,7 @@
 """The trajectory store: round trip, content addressing, commit-by-manifest, corruption detection."""
 
 import json
+import os
 from datetime import datetime, timezone
 
 import pytest
@@ -90,3 +91,13 @@ def test_unknown_schema_major_is_refused(root):
     json.dump(body, open(path, "w"))
     with pytest.raises(TrajectoryStoreError, match="schema version 2.0"):
         read_manifest(root, manifest.directory)
+
+
+def test_torn_manifest_is_reported_with_file_and_version(root):
+    manifest = _write(root, [make_row(0, 0, 1.0)])
+    path = f"{manifest.directory}/manifest.json"
+    text = open(path).read()
+    open(path, "w").write(text[: len(text) // 2])
+    with pytest.raises(CorruptPartError, match=rf"{manifest.version}: manifest {path} is not valid JSON"):
+        read_manifest(root, manifest.directory)
+    assert sorted(os.listdir(manifest.directory)) == ["manifest.json", "part-00000.parquet"]  # no .partial left behind

@@ -1,0 +1,105 @@
+"""Embedded engine vs transformers ``generate``: same model, same prompts, same sampling settings.
+
+Two workloads, both sampled at temperature 1 with n samples per prompt:
+- uniform:     every completion is exactly ``--tokens`` long (eos ignored by both engines);
+- long-tailed: completions end at eos. The model is a randomly initialised Llama whose eos is drawn
+               about once every vocabulary-size steps, so lengths are geometric: most short, a few long.
+               ``generate`` keeps every row of a static batch computing until the longest finishes;
+               the embedded engine retires each sequence when it ends.
+Figures are useful tokens (up to and including eos) per second, median of ``--repeats`` runs, and the
+ratio embedded / generate, measured in this run. ``generate`` is not asked for logprobs, the embedded
+engine always computes them.
+
+    python benchmarks/engine.py [--prompts 32] [--samples 8] [--tokens 32] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import warnings
+
+
+def build_model(vocab_hidden=(16, 128), seed: int = 0):
+    import torch
+
+    from models.base_policy import BaseRecipe, build_model as build
+    from models.tokenizer import build_char_tokenizer
+
+    torch.manual_seed(seed)
+    tokenizer = build_char_tokenizer()
+    model = build(BaseRecipe(hidden_size=vocab_hidden[1]), len(tokenizer), tokenizer).eval()
+    model.config.max_position_embeddings = 512
+    return model, tokenizer
+
+
+def prompts(count: int) -> list[str]:
+    from models import addition
+
+    return [p.text for p in addition.training_prompts(seed=123, count=count)]
+
+
+def run_generate(model, tokenizer, texts, samples: int, tokens: int, uniform: bool) -> tuple[int, float]:
+    import torch
+
+    enc = tokenizer(texts, padding=True, return_tensors="pt")
+    kwargs = {"min_new_tokens": tokens} if uniform else {}
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(**enc, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=tokens,
+                             num_return_sequences=samples, pad_token_id=tokenizer.pad_token_id,
+                             eos_token_id=tokenizer.eos_token_id, **kwargs)
+    elapsed = time.perf_counter() - start
+    completions = out[:, enc["input_ids"].shape[1]:]
+    useful = 0
+    for row in completions.tolist():
+        useful += row.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in row else len(row)
+    return useful, elapsed
+
+
+def run_embedded(model, tokenizer, texts, samples: int, tokens: int, uniform: bool) -> tuple[int, float]:
+    from models.engine import EmbeddedEngine, GroupRequest, SamplingParams
+
+    engine = EmbeddedEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, max_batch=len(texts) * samples)
+    params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=tokens, seed=1, ignore_eos=uniform)
+    requests = [GroupRequest(f"g{i}", tuple(tokenizer(t)["input_ids"]), samples, params) for i, t in enumerate(texts)]
+    start = time.perf_counter()
+    useful = sum(len(s.token_ids) for s in engine.generate(requests))
+    return useful, time.perf_counter() - start
+
+
+def measure(fn, repeats: int, *args) -> tuple[float, int]:
+    fn(*args)  # warm-up: first calls pay one-off allocation costs
+    runs = [fn(*args) for _ in range(repeats)]
+    return statistics.median(t / e for t, e in runs), runs[0][0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=32, help="new tokens (uniform) / cap (long-tailed)")
+    parser.add_argument("--tail-tokens", type=int, default=128, help="length cap for the long-tailed workload")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    model, tokenizer = build_model()
+    texts = prompts(args.prompts)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"model: Llama {params / 1e6:.2f}M parameters, {args.prompts} prompts x {args.samples} samples, "
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"{'workload':<34}{'generate tok/s':>16}{'embedded tok/s':>16}{'ratio':>8}")
+    for name, tokens, uniform in (("uniform", args.tokens, True), ("long-tailed", args.tail_tokens, False)):
+        hf, hf_tokens = measure(run_generate, args.repeats, model, tokenizer, texts, args.samples, tokens, uniform)
+        emb, emb_tokens = measure(run_embedded, args.repeats, model, tokenizer, texts, args.samples, tokens, uniform)
+        label = f"{name} (<= {tokens} tokens, mean {emb_tokens / (args.prompts * args.samples):.1f})"
+        print(f"{label:<34}{hf:>16,.0f}{emb:>16,.0f}{emb / hf:>7.2f}x")
+
+
+if __name__ == "__main__":
+    main()

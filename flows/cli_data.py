@@ -1,0 +1,238 @@
+"""``rlrounds`` commands over what rounds leave behind: trajectories (list, show, export), refilter,
+replay, lineage and gc. ``add_commands`` registers them on the main parser (flows/cli.py).
+
+Only argparse is imported here at module level; each command imports what it needs, so
+``rlrounds --help`` stays instant. Read-only commands never create anything under the root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def add_commands(sub) -> None:
+    from storage.gc import DEFAULT_GRACE_S  # storage.gc imports nothing heavy
+
+    trajectories = sub.add_parser("trajectories", help="list, inspect and export committed trajectory versions")
+    tsub = trajectories.add_subparsers(dest="trajectories_command", required=True)
+    listing = tsub.add_parser("list", help="every committed trajectory version under the storage root")
+    listing.add_argument("--run", help="only versions of this campaign run id")
+    _storage_arg(listing)
+    listing.set_defaults(func=cmd_list)
+    show = tsub.add_parser("show", help="schema, counts, rewards, outcomes, lengths, policy versions and parents of a version")
+    show.add_argument("version", help="version id or a unique prefix (6+ characters)")
+    show.add_argument("--json", action="store_true", help="print the summary as JSON")
+    _storage_arg(show)
+    show.set_defaults(func=cmd_show)
+    export = tsub.add_parser("export", help="write a version's rows to one JSONL or Parquet file")
+    export.add_argument("version", help="version id or a unique prefix (6+ characters)")
+    export.add_argument("path", help="output file (a local path or an fsspec URI)")
+    export.add_argument("--format", required=True, choices=["jsonl", "parquet"], help="output format")
+    _storage_arg(export)
+    export.set_defaults(func=cmd_export)
+
+    refilter = sub.add_parser("refilter", help="select rows of a version with SQL (DuckDB) into a derived version")
+    refilter.add_argument("version", help="version id or a unique prefix (6+ characters)")
+    refilter.add_argument("--where", required=True,
+                          help="SQL predicate over trajectory columns, e.g. \"len(completion_token_ids) <= 4 AND outcome = 'success'\"")
+    refilter.add_argument("--regroup", action="store_true",
+                          help="recompute advantages within the remaining groups and re-drop zero-variance groups")
+    refilter.add_argument("--target-groups", type=int, help="with --regroup: keep only the first N trainable groups")
+    _storage_arg(refilter)
+    refilter.set_defaults(func=cmd_refilter)
+
+    replay = sub.add_parser("replay", help="train on a stored trajectory version from a registered model version")
+    replay.add_argument("--trajectories", required=True, help="trajectory version id or unique prefix")
+    replay.add_argument("--from-model", required=True, help="registered model version to start from, NAME/VERSION")
+    replay.add_argument("--config", help="campaign config file the round ran with (default: the training config recorded with the round)")
+    replay.add_argument("--model-name", help="registered model name for the result (default: the parent's)")
+    replay.add_argument("--no-evaluate", action="store_true", help="skip the held-out evaluation of the result")
+    _storage_arg(replay)
+    replay.set_defaults(func=cmd_replay)
+
+    lineage = sub.add_parser("lineage", help="walk a model version's parents back to the base policy")
+    lineage.add_argument("model_version", help="registered model version, NAME/VERSION")
+    lineage.add_argument("--json", action="store_true", help="print the steps as JSON")
+    _storage_arg(lineage)
+    lineage.set_defaults(func=cmd_lineage)
+
+    gc = sub.add_parser("gc", help="remove uncommitted leftovers (never a committed version or checkpoint)")
+    gc.add_argument("--grace", type=float, default=DEFAULT_GRACE_S,
+                    help=f"only leftovers untouched for this many seconds (default {DEFAULT_GRACE_S:.0f}: a day)")
+    gc.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
+    _storage_arg(gc)
+    gc.set_defaults(func=cmd_gc)
+
+
+def _storage_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--storage", help="storage root: a directory or s3://bucket/prefix (default $RLROUNDS_STORAGE or ./rlrounds-data)")
+
+
+def _root(args: argparse.Namespace):
+    """The storage root to read; a local one must exist (read commands never create one)."""
+    from flows.cli import UserError
+    from storage.paths import StorageRoot
+    from storage.settings import settings
+
+    uri = args.storage or settings().storage
+    root = StorageRoot.of(uri)
+    if root.is_local and not os.path.isdir(root.uri):
+        raise UserError(f"storage root {uri} does not exist; pass --storage or set RLROUNDS_STORAGE to where the rounds ran")
+    return root
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _counts(counts: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in counts.items()) or "none"
+
+
+# -- trajectories -----------------------------------------------------------------------------------
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from storage.trajectories import list_manifests
+
+    manifests = [m for m in list_manifests(_root(args)) if args.run is None or m.body.get("run_id") == args.run]
+    manifests.sort(key=lambda m: (str(m.body.get("run_id")), m.body.get("round") or 0, m.parent is not None, m.version))
+    print(f"{'VERSION':<22}{'KIND':<9}{'RUN':<28}{'ROUND':>6}{'ROWS':>9}  PARENT")
+    for m in manifests:
+        print(f"{m.version:<22}{m.kind:<9}{str(m.body.get('run_id')):<28}{str(m.body.get('round')):>6}{m.rows:>9}  {m.parent or '-'}")
+    if not manifests:
+        print("(no committed trajectory versions)" if args.run is None else f"(no committed trajectory versions of run {args.run})")
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from storage.audit import derivation_of, describe_derivation
+    from storage.query import summarize
+    from storage.trajectories import find_version, read_table
+
+    root = _root(args)
+    manifest = find_version(root, args.version)
+    summary = summarize(read_table(root, manifest))
+    chain = derivation_of(root, manifest.version)
+    if args.json:
+        print(json.dumps({"version": manifest.version, "uri": manifest.directory, "manifest": manifest.body,
+                          "summary": summary, "parent_chain": chain}, indent=2, default=str))
+        return 0
+    s, reward, lengths = summary, summary["reward"], summary["completion_tokens"]
+    values = f"; values {_counts(reward['values'])}" if reward["values"] else ""
+    fmt = lambda v, spec=".3f": "n/a" if v is None else format(v, spec)  # noqa: E731
+    lines = [
+        f"trajectory version {manifest.version} ({manifest.kind}, run {manifest.body.get('run_id')} round {manifest.body.get('round')})",
+        f"  location         {manifest.directory}",
+        f"  schema           {manifest.body.get('schema_version')}, {len(s['columns'])} columns; {len(manifest.parts)} part(s), "
+        f"{_size(sum(p.get('bytes', 0) for p in manifest.parts))}",
+        f"  rows             {s['rows']} in {s['groups']} groups ({s['prompts']} prompts); kept {s['kept_rows']} rows in {s['kept_groups']} groups",
+        f"  reward           mean {fmt(reward['mean'])}, min {fmt(reward['min'])}, max {fmt(reward['max'])}, unscored {reward['unscored']}{values}",
+        f"  advantage        kept mean {fmt(s['advantage']['kept_mean'])}, mean |a| {fmt(s['advantage']['kept_mean_abs'])}",
+        f"  outcomes         {_counts(s['outcome'])}",
+        f"  dropped          {_counts(s['drop_reason'])}",
+        f"  finish reasons   {_counts(s['finish_reason'])}",
+        f"  completion len   min {lengths['min']}, p50 {lengths['p50']}, p90 {lengths['p90']}, p99 {lengths['p99']}, "
+        f"max {lengths['max']}, mean {fmt(lengths['mean'], '.2f')} tokens",
+        f"  policy versions  {', '.join(f'{v} ({n} tokens)' for v, n in s['policy_versions'].items()) or 'none'}",
+        f"  derivation       {json.dumps(manifest.derivation, sort_keys=True)}",
+        f"  parent chain     {describe_derivation(chain)}",
+    ]
+    print("\n".join(lines))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from storage.query import export_table
+    from storage.trajectories import find_version, read_table
+
+    root = _root(args)
+    manifest = find_version(root, args.version)
+    path = args.path if "://" in args.path else os.path.abspath(args.path)
+    rows = export_table(read_table(root, manifest), args.format, path)
+    print(f"exported {rows} rows of trajectory version {manifest.version} to {path} ({args.format})")
+    return 0
+
+
+# -- refilter, replay ---------------------------------------------------------------------------------
+
+def cmd_refilter(args: argparse.Namespace) -> int:
+    from flows.cli import UserError
+    from tasks.refilter import RefilterRequest, run_refilter
+
+    if args.target_groups is not None and (not args.regroup or args.target_groups < 1):
+        raise UserError("--target-groups needs --regroup and a positive number of groups")
+    root = _root(args)
+    request = RefilterRequest(version=args.version, where=args.where, regroup=args.regroup, target_groups=args.target_groups)
+    result = run_refilter(root.uri, request)
+    s = result["stats"]
+    print(f"derived version {result['version']} from {result['parent']}: {s['filter/rows']:.0f} rows, kept {s['filter/kept_rows']:.0f} "
+          f"in {s['filter/kept_groups']:.0f} groups{' (regrouped)' if args.regroup else ''} -> {result['uri']}")
+    return 0
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from flows.cli import UserError
+    from flows.config import ConfigError, load_campaign_config
+
+    config = None
+    if args.config:
+        try:
+            config = load_campaign_config(args.config).round
+        except ConfigError as exc:
+            raise UserError(str(exc)) from None
+    root = _root(args)
+    from pydantic import ValidationError
+
+    from flows.replay import ReplayRequest, rl_replay
+
+    try:
+        request = ReplayRequest(trajectories=args.trajectories, from_model=args.from_model, config=config,
+                                model_name=args.model_name, evaluate=not args.no_evaluate)
+    except ValidationError as exc:
+        raise UserError(exc.errors()[0]["msg"].removeprefix("Value error, ")) from None
+    result = rl_replay(request, storage=root.uri)
+    accuracy = result["stats"].get("eval/accuracy")
+    evaluated = f", held-out accuracy {accuracy:.1%}" if accuracy is not None else ""
+    print(f"{result['replay_id']}: {result['from_model']} + trajectories {result['trajectory_version']} -> "
+          f"{result['model_version']}{evaluated}; checkpoint {result['checkpoint']}")
+    return 0
+
+
+# -- lineage, gc ------------------------------------------------------------------------------------
+
+def cmd_lineage(args: argparse.Namespace) -> int:
+    from storage.audit import format_lineage, parse_model_version, to_json, walk
+    from storage.lineage import Tracker
+    from storage.settings import settings
+
+    parse_model_version(args.model_version)  # a malformed reference fails before MLflow is touched
+    root = _root(args)
+    steps = walk(Tracker.connect(settings(), root, must_exist=True), root, args.model_version)
+    if args.json:
+        print(json.dumps(to_json(steps), indent=2))
+    else:
+        sys.stdout.write(format_lineage(steps))
+    return 0
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    from flows.cli import UserError
+    from storage.gc import collect
+
+    if args.grace < 0:
+        raise UserError("--grace must be zero or more seconds")
+    root = _root(args)
+    leftovers = collect(root, grace_s=args.grace, dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    for item in leftovers:
+        print(f"{verb} {item.kind:<12} {item.path}  ({item.files} files, {_size(item.bytes)}, {item.age_s / 3600:.1f} h old)")
+    total = sum(item.bytes for item in leftovers)
+    print(f"gc: {verb} {len(leftovers)} uncommitted leftover(s), {_size(total)}; committed versions and checkpoints untouched")
+    return 0

@@ -1,0 +1,31 @@
+"""Evaluation of a registered model version as a Prefect flow: the held-out set at the precision and on
+the engine the policy will be served with, and at training precision, both and their gap tagged on the
+model version (``rlrounds eval NAME/VERSION [--engine vllm] [--dtype bfloat16]``).
+
+Rounds evaluate their own checkpoint already (tasks/evaluate.run_evaluate, which also applies the
+champion gate); this flow re-scores any version later, e.g. at a serving precision the campaign did
+not use. It never moves the champion alias: its figures may come from another engine or dtype than
+the champion's, and promotion compares like with like.
+"""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from flows.config import RoundConfig
+from storage.settings import settings
+from tasks.evaluate import EvaluateConfig, evaluate_version_task
+
+TRAIN_DTYPE = "float32"  # the trainer always works in float32 (tasks/train.run_train)
+
+
+@flow(name="rl-evaluate", flow_run_name="evaluate-{model_version}", validate_parameters=True)
+def rl_evaluate(model_version: str, config: RoundConfig | None = None, serving_engine: str | None = None,
+                serving_dtype: str | None = None, storage: str | None = None) -> dict:
+    """Score ``model_version`` ('NAME/VERSION') with ``config``'s evaluate, prompts and verifier sections;
+    ``serving_engine`` / ``serving_dtype`` override ``config.evaluate``'s."""
+    storage = storage or settings().storage
+    rc = config or RoundConfig()
+    overrides = {k: v for k, v in (("serving_engine", serving_engine), ("serving_dtype", serving_dtype)) if v}
+    evaluate = EvaluateConfig.model_validate({**rc.evaluate.model_dump(), **overrides})
+    return evaluate_version_task(storage, model_version, evaluate, rc.prompts, rc.verifier, TRAIN_DTYPE)

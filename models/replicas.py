@@ -1,0 +1,166 @@
+"""Engine replicas as Ray actors, behind the same engine interface as a single engine.
+
+    router = ReplicaRouter.start(build, replicas=2, cpus_per_replica=1)
+    for sample in router.generate(groups): ...       # finish order, across replicas
+    router.load_weights(checkpoint_dir, version)     # every replica, in place
+
+``build`` is a picklable zero-argument callable that makes one engine (embedded or vLLM) inside the
+actor. The router keeps each group on one replica, chosen by a hash of its prompt tokens, so the
+samples of a group (and any later group with the same prompt) share that replica's prefix cache.
+Groups are pulled from the caller lazily, as replicas have room, so a rollout that stops feeding
+stops starting work here too. Samples stream back from each replica as they finish (a Ray streaming
+generator per call), so verification overlaps generation exactly as with a local engine.
+
+Checkpoint directories passed to ``load_weights`` must be readable by every replica's node: local
+paths on a one-machine cluster, a shared filesystem otherwise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import deque
+from typing import Any, Callable, Iterable, Iterator
+
+from models.engine import EngineInfo, GeneratedSample, GroupRequest
+
+FLUSH_SAMPLES = 64  # a replica sends finished samples back in batches of at most this many ...
+FLUSH_SECONDS = 0.05  # ... or after this long, whichever comes first
+START_TIMEOUT_S = 900  # a vLLM replica on a busy CPU takes minutes to start; pending forever is an error
+
+
+class EngineReplica:
+    """The actor body: one engine, driven by the router. Wrapped with ``ray.remote`` at start."""
+
+    def __init__(self, build: Callable[[], Any], threads: int):
+        import torch
+
+        torch.set_num_threads(max(1, threads))
+        self.engine = build()
+
+    def describe(self) -> tuple[EngineInfo, int]:
+        return self.engine.info, self.engine.policy_version
+
+    def stream(self, groups: list[GroupRequest]) -> Iterator[list[GeneratedSample]]:
+        """Generate ``groups``; yield finished samples in small batches as they finish."""
+        batch: list[GeneratedSample] = []
+        last = time.monotonic()
+        for sample in self.engine.generate(groups):
+            batch.append(sample)
+            if len(batch) >= FLUSH_SAMPLES or time.monotonic() - last >= FLUSH_SECONDS:
+                yield batch
+                batch, last = [], time.monotonic()
+        if batch:
+            yield batch
+
+    def load_weights(self, checkpoint_dir: str, policy_version: int) -> float:
+        return self.engine.load_weights(checkpoint_dir, policy_version)
+
+    def close(self) -> None:
+        close = getattr(self.engine, "close", None)
+        if close:
+            close()
+
+
+def replica_for(prompt_token_ids: tuple[int, ...], replicas: int) -> int:
+    """Stable prompt -> replica assignment (Python's hash() is salted per process; this is not)."""
+    digest = hashlib.blake2b(repr(tuple(prompt_token_ids)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % replicas
+
+
+class ReplicaRouter:
+    """N engine actors seen as one engine: prompt-affinity routing, finish-order results."""
+
+    def __init__(self, actors: list[Any], groups_per_call: int, calls_per_replica: int = 2):
+        import ray
+
+        self.actors = actors
+        self.groups_per_call = max(1, groups_per_call)
+        self.calls_per_replica = max(1, calls_per_replica)
+        try:
+            described = ray.get([a.describe.remote() for a in actors], timeout=START_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            raise RuntimeError(f"{len(actors)} engine replicas did not start within {START_TIMEOUT_S} s; the Ray cluster "
+                               f"has {ray.available_resources()} free: lower rollout.replicas or add nodes") from None
+        self.info: EngineInfo = described[0][0]
+        self.policy_version: int = described[0][1]
+        self.routed = [0] * len(actors)  # groups sent to each replica (over this router's life)
+
+    @classmethod
+    def start(cls, build: Callable[[], Any], replicas: int, cpus_per_replica: float = 1.0, gpus_per_replica: float = 0.0,
+              groups_per_call: int = 64) -> "ReplicaRouter":
+        """Start ``replicas`` actors on the connected Ray cluster (``ray.init`` must have run)."""
+        import ray
+
+        actor_class = ray.remote(num_cpus=cpus_per_replica, num_gpus=gpus_per_replica)(EngineReplica)
+        threads = max(1, int(cpus_per_replica))
+        return cls([actor_class.remote(build, threads) for _ in range(replicas)], groups_per_call)
+
+    @property
+    def replicas(self) -> int:
+        return len(self.actors)
+
+    def generate(self, groups: Iterable[GroupRequest]) -> Iterator[GeneratedSample]:
+        """Keep up to ``calls_per_replica`` calls of ``groups_per_call`` groups on each replica;
+        pull more groups only when a replica has room for another call."""
+        import ray
+
+        feed = iter(groups)
+        queues: list[deque[GroupRequest]] = [deque() for _ in self.actors]
+        calls = [0] * len(self.actors)
+        streams: dict[Any, int] = {}  # Ray streaming generator -> replica
+        exhausted = False
+
+        def wants_more(r: int) -> bool:
+            return calls[r] < self.calls_per_replica and len(queues[r]) < self.groups_per_call
+
+        try:
+            while True:
+                # Groups are routed by prompt, so filling one idle replica may queue groups for others;
+                # the buffer cap bounds how far ahead of the engines the caller's feed is read.
+                cap = self.groups_per_call * len(self.actors)
+                while not exhausted and sum(map(len, queues)) < cap and any(wants_more(r) for r in range(len(self.actors))):
+                    group = next(feed, None)
+                    if group is None:
+                        exhausted = True
+                        break
+                    queues[replica_for(group.prompt_token_ids, len(self.actors))].append(group)
+                for r, queue in enumerate(queues):
+                    while queue and calls[r] < self.calls_per_replica:
+                        chunk = [queue.popleft() for _ in range(min(self.groups_per_call, len(queue)))]
+                        streams[self.actors[r].stream.remote(chunk)] = r
+                        calls[r] += 1
+                        self.routed[r] += len(chunk)
+                if not streams:
+                    return
+                ready, _ = ray.wait(list(streams), num_returns=1)
+                for stream in ready:
+                    try:
+                        batch = ray.get(next(stream))
+                    except StopIteration:
+                        calls[streams.pop(stream)] -= 1
+                        continue
+                    yield from batch
+        finally:  # the caller stopped early: stop the calls still running rather than finish them unread
+            for stream in streams:
+                try:
+                    ray.cancel(stream)
+                except Exception:  # noqa: BLE001 -- already finished, or not cancellable: it just runs out
+                    pass
+
+    def load_weights(self, checkpoint_dir: str, policy_version: int) -> float:
+        """Every replica loads the weights in place, concurrently; the pause is the longest one."""
+        import ray
+
+        pauses = ray.get([a.load_weights.remote(checkpoint_dir, policy_version) for a in self.actors])
+        self.policy_version = policy_version
+        return max(pauses)
+
+    def close(self) -> None:
+        import ray
+
+        try:
+            ray.get([a.close.remote() for a in self.actors], timeout=60)
+        finally:
+            for actor in self.actors:
+                ray.kill(actor)

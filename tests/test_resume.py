@@ -1,0 +1,421 @@
+"""Crash-safe, resumable campaigns: one writer per run id, each stage once per (run, round, stage,
+inputs), and a campaign killed at every stage boundary that resumes to exactly the uninterrupted result."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from storage.campaigns import (CampaignError, Owner, _process_started, assert_owner, claim, current_owner, owner_alive,
+                               read_stage, release, stored_config, write_stage)
+from storage.paths import StorageRoot
+
+CONFIG = {"rounds": 2, "run_id": "r1", "round": {"seed": 1}}
+IDENTITY = {"experiment": "rlrounds", "round": {"seed": 1}}
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def _record_owner(root: StorageRoot, run_id: str, **fields) -> None:
+    """Rewrite the recorded first owner (a campaign started elsewhere, or by a process now dead)."""
+    path = root.campaign_file(run_id)
+    record = json.loads(open(path).read())
+    record["owner"].update(fields)
+    open(path, "w").write(json.dumps(record))
+
+
+# -- ownership ---------------------------------------------------------------------------------------
+
+
+def test_one_of_many_concurrent_starts_wins(tmp_path):
+    root = StorageRoot.of(str(tmp_path))
+    won, lost = [], []
+
+    def start():
+        try:
+            won.append(claim(root, "r1", CONFIG, IDENTITY, "new"))
+        except CampaignError as exc:
+            lost.append(str(exc))
+
+    threads = [threading.Thread(target=start) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(won) == 1 and len(lost) == 7
+    assert all("already holds a campaign" in m or "started by another process" in m for m in lost)
+    assert os.listdir(root.run("r1")) == ["campaign.json"]  # the losers wrote nothing
+    release(won[0])
+
+
+def test_new_refuses_an_existing_run_and_resume_a_missing_one(tmp_path):
+    root = StorageRoot.of(str(tmp_path))
+    with pytest.raises(CampaignError, match="no campaign 'r1'.*--run-id r1"):
+        claim(root, "r1", CONFIG, IDENTITY, "resume")
+    owner = claim(root, "r1", CONFIG, IDENTITY, "new")
+    release(owner)
+    with pytest.raises(CampaignError, match="already holds a campaign.*--resume r1"):
+        claim(root, "r1", CONFIG, IDENTITY, "new")
+    assert stored_config(root, "r1") == CONFIG
+
+
+def test_resume_must_match_the_stored_config(tmp_path):
+    root = StorageRoot.of(str(tmp_path))
+    release(claim(root, "r1", CONFIG, IDENTITY, "new"))
+    other = {"experiment": "rlrounds", "round": {"seed": 2}}
+    with pytest.raises(CampaignError, match=r"round.seed: 1 \(stored\) vs 2 \(given\).*resume without --config"):
+        claim(root, "r1", CONFIG, other, "resume")
+
+
+def test_a_live_owner_keeps_its_campaign(tmp_path):
+    root = StorageRoot.of(str(tmp_path))
+    owner = claim(root, "r1", CONFIG, IDENTITY, "new")
+    with pytest.raises(CampaignError, match="is still running as pid"):
+        claim(root, "r1", CONFIG, IDENTITY, "resume")  # same process, token still held
+    release(owner)
+    _record_owner(root, "r1", token="elsewhere", pid=os.getppid(), pid_started=_process_started(os.getppid()))  # alive
+    with pytest.raises(CampaignError, match="is still running"):
+        claim(root, "r1", CONFIG, IDENTITY, "auto")
+    _record_owner(root, "r1", pid_started="1")  # the same pid, another process: the owner's pid was reused
+    release(claim(root, "r1", CONFIG, IDENTITY, "auto"))
+
+
+def test_a_dead_owner_is_taken_over_once(tmp_path):
+    root = StorageRoot.of(str(tmp_path))
+    release(claim(root, "r1", CONFIG, IDENTITY, "new"))
+    _record_owner(root, "r1", token="dead", pid=_dead_pid())
+    winners, losers = [], []
+
+    def resume():
+        try:
+            winners.append(claim(root, "r1", CONFIG, IDENTITY, "resume"))
+        except CampaignError as exc:
+            losers.append(str(exc))
+
+    threads = [threading.Thread(target=resume) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(winners) == 1 and all("resumed by another process" in m or "still running" in m for m in losers)
+    assert winners[0].generation == 1 and current_owner(root, "r1", json.load(open(root.campaign_file("r1")))) == winners[0]
+    release(winners[0])
+
+
+def test_an_owner_on_another_host_needs_takeover_and_the_old_owner_stops(tmp_path):
+    root = StorageRoot.of(str(tmp_path))
+    first = claim(root, "r1", CONFIG, IDENTITY, "new")
+    release(first)  # as if it had been started on the other host: this process holds nothing
+    _record_owner(root, "r1", host="some-other-host")
+    assert owner_alive(Owner("t", 1, "some-other-host", None, 0, 0.0)) is None
+    with pytest.raises(CampaignError, match="cannot be checked from this host.*--takeover"):
+        claim(root, "r1", CONFIG, IDENTITY, "resume")
+    second = claim(root, "r1", CONFIG, IDENTITY, "resume", takeover=True)
+    assert second.generation == 1 and socket.gethostname() == second.host
+    with pytest.raises(CampaignError, match="now owned by pid"):
+        assert_owner(root, "r1", first)  # the process that lost its campaign stops writing
+    assert_owner(root, "r1", second)
+    release(second)
+
+
+def test_dry_run_checks_without_writing(tmp_path):
+    root = StorageRoot.of(str(tmp_path))
+    assert claim(root, "r1", CONFIG, IDENTITY, "new", dry_run=True) is None
+    assert not os.path.exists(root.run("r1"))
+
+
+# -- stage records -----------------------------------------------------------------------------------
+
+
+def test_stage_records(tmp_path):
+    root = StorageRoot.of(str(tmp_path))
+    assert read_stage(root, "r1", 1, "train", "k1") is None
+    write_stage(root, "r1", 1, "train", "k1", {"value": {"checkpoint": "/c", "stats": {"train/loss": 0.5}}})
+    assert read_stage(root, "r1", 1, "train", "k1") == {"value": {"checkpoint": "/c", "stats": {"train/loss": 0.5}}}
+    with pytest.raises(CampaignError, match="committed from other inputs"):
+        read_stage(root, "r1", 1, "train", "k2")
+    open(root.stage_record("r1", 1, "filter"), "w").write('{"stage": "fil')  # torn by a crash mid-write
+    assert read_stage(root, "r1", 1, "filter", "k1") is None
+
+
+def _ctx(tmp_path, **fields):
+    from tasks.context import RoundContext
+
+    base = dict(storage=str(tmp_path), run_id="r1", round=1, experiment="e", parent_checkpoint="/p", parent_policy_version=0,
+                parent_model_version="m/1", base_model="b", config_hash="h", code_version="c", flow_run_id="f",
+                mlflow_run_id="m", seed=0)
+    return RoundContext(**{**base, **fields})
+
+
+def test_stages_run_once_per_inputs(tmp_path):
+    from flows.stages import Stages, inputs_key
+    from tasks.filter import FilterConfig
+
+    calls = []
+
+    def task(ctx, uri, config, measured, stats):
+        calls.append(uri)
+        return {"uri": uri}
+
+    ctx = _ctx(tmp_path)
+    assert Stages(ctx).run("filter", task, ctx, "/a", FilterConfig(), 1.5, {"x": 1}) == {"uri": "/a"}
+    # Another process: another flow run, code version and timings -- the same inputs, so no second run.
+    again = _ctx(tmp_path, flow_run_id="f2", code_version="c2", mlflow_run_id="m2")
+    stages = Stages(again)
+    assert stages.run("filter", task, again, "/a", FilterConfig(), 9.9, {"x": 2}) == {"uri": "/a"}
+    assert calls == ["/a"] and stages.skipped == ["filter"]
+    with pytest.raises(CampaignError, match="other inputs"):  # an upstream version changed under a record
+        Stages(ctx).run("filter", task, ctx, "/b", FilterConfig(), 1.5, {})
+    assert inputs_key("s", (_ctx(tmp_path, seed=1),), {}) != inputs_key("s", (ctx,), {})
+
+
+def test_crash_points_are_inert_unless_set(monkeypatch):
+    from tasks.faults import CRASH_ENV, crash_point, crash_points
+
+    monkeypatch.delenv(CRASH_ENV, raising=False)
+    crash_point("train", 1)  # nothing happens
+    monkeypatch.setenv(CRASH_ENV, "rollout:2")
+    crash_point("train", 1)  # another point: nothing happens
+    assert crash_points("train:1, base:0") == {("train", 1), ("base", 0)}
+    with pytest.raises(ValueError, match="STAGE:ROUND"):
+        crash_points("train")
+
+
+def test_a_committed_round_is_found_and_not_filtered_twice(tmp_path):
+    from datetime import datetime, timezone
+
+    from storage.trajectories import TrajectoryStoreError, committed_round_version, rows_to_table, table_bytes, write_version
+    from tasks.filter import FilterConfig, run_filter
+
+    root = StorageRoot.of(str(tmp_path))
+    assert committed_round_version(root, "r1", 1) is None
+    now = datetime.now(timezone.utc)
+    rows = [{"run_id": "r1", "round": 1, "prompt_id": "p", "group_id": "g", "sample_index": i, "task": "addition",
+             "prompt_text": "1+1=", "prompt_token_ids": [1], "reference": "2", "completion_text": str(i + 1),
+             "completion_token_ids": [4], "rollout_logprobs": [-1.0], "token_policy_versions": [0], "finish_reason": "stop",
+             "engine": None, "sampling": None, "verifier": None, "reward": float(i == 1), "outcome": "success" if i == 1 else "model_failure",
+             "verify_error": None, "advantage": None, "kept": None, "drop_reason": None, "enqueued_at": now, "started_at": now,
+             "finished_at": now, "verified_at": now, "gen_latency_s": 0.0, "verify_latency_s": 0.0} for i in range(2)]
+    staging = root.rollout_staging_file("r1", 1)
+    root.fs.makedirs(root.staging("r1", 1), exist_ok=True)
+    open(staging, "wb").write(table_bytes(rows_to_table(rows)))
+    ctx = _ctx(tmp_path)
+    first = run_filter(ctx, staging, FilterConfig(), 1, {"rollout/wall_s": 1.0})
+    assert committed_round_version(root, "r1", 1).version == first["version"] and not os.path.exists(staging)
+    again = run_filter(ctx, staging, FilterConfig(), 1, {"rollout/wall_s": 2.0})  # resumed: staging is gone
+    assert again["version"] == first["version"] and again["stats"] == first["stats"] and again["resumed"]
+    assert committed_round_version(root, "r1", 1).body["rollout_stats"] == {"rollout/wall_s": 1.0}
+    write_version(root, lambda v: root.trajectory_version("r1", 1, v), rows_to_table(rows[:1]), {"kind": "rollout"})
+    with pytest.raises(TrajectoryStoreError, match="has 2 committed trajectory versions"):
+        committed_round_version(root, "r1", 1)
+
+
+# -- the crash test ------------------------------------------------------------------------------------
+
+CRASH_CONFIG = {
+    "rounds": 2,
+    "experiment": "crash",
+    "round": {
+        "train": {"groups_per_step": 4, "steps_per_round": 2},
+        "publish": {"model_name": "crash-policy"},
+        "seed": 7,
+    },
+}
+# Each resumed process dies at the next point: every stage boundary of round 1, then one in round 2.
+KILL_POINTS = ["base:0", "rollout:1", "filter:1", "train:1", "publish:1", "evaluate:1", "record:1", "train:2"]
+TIMING_COLUMNS = {"enqueued_at", "started_at", "finished_at", "verified_at", "gen_latency_s", "verify_latency_s", "trajectory_version"}
+
+
+@pytest.fixture(scope="module")
+def weak_base(tmp_path_factory):
+    """A small policy trained briefly (~15 s): weak (a few % accurate) but enough for mixed groups."""
+    from models.base_policy import BaseRecipe, build_base_policy
+
+    path = str(tmp_path_factory.mktemp("weak-base"))
+    recipe = BaseRecipe(hidden_size=48, num_layers=2, intermediate_size=96, num_heads=2, max_steps=400, check_every=10**6,
+                        stop_at_accuracy=1.0, batch_size=64, learning_rate=3e-3, **_one_thread())
+    build_base_policy(path, recipe)
+    os.remove(os.path.join(path, "lineage.json"))  # a plain Hugging Face directory, like any user's base
+    return path
+
+
+def _one_thread() -> dict:
+    from dataclasses import fields
+
+    from models.base_policy import BaseRecipe
+
+    return {"threads": 1} if "threads" in {f.name for f in fields(BaseRecipe)} else {}
+
+
+class Campaign:
+    """`rlrounds run` in subprocesses sharing the test session's Prefect server; each its own process group."""
+
+    def __init__(self, tmp, config_path, storage):
+        self.tmp, self.config_path, self.storage = tmp, config_path, storage
+
+    def run(self, *args, crash_after=None, expect_crash=False):
+        from prefect.settings import PREFECT_API_URL
+
+        env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+               "RLROUNDS_CODE_VERSION": "crash-test", "PYTHONUNBUFFERED": "1"}
+        env.pop("RLROUNDS_CRASH_AFTER", None)
+        if crash_after:
+            env["RLROUNDS_CRASH_AFTER"] = crash_after
+        cmd = [os.path.join(os.path.dirname(sys.executable), "rlrounds"), "run", "--storage", self.storage, *args]
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        try:
+            out, _ = proc.communicate(timeout=400)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # whatever the killed campaign left behind in its group
+            except ProcessLookupError:
+                pass
+        seconds = time.perf_counter() - start
+        if expect_crash:
+            assert proc.returncode == -signal.SIGKILL, out[-3000:]
+            assert f"injected crash after {crash_after}" in out, out[-3000:]
+        else:
+            assert proc.returncode == 0, out[-3000:]
+        return out, seconds
+
+
+def _registry(storage):
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{storage}/mlflow.db"
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    versions = sorted(client.search_model_versions("name = 'crash-policy'"), key=lambda v: int(v.version))
+    runs = client.search_runs([client.get_experiment_by_name("crash").experiment_id], "tags.`rlrounds.run_id` = 'crash'")
+    champion = str(client.get_model_version_by_alias("crash-policy", "champion").version)
+    return client, versions, runs, champion
+
+
+def _trajectories(storage):
+    from storage.trajectories import committed_round_version, read_table
+
+    root = StorageRoot.of(storage)
+    out = {}
+    for k in (1, 2):
+        manifest = committed_round_version(root, "crash", k)
+        rows = read_table(root, manifest).to_pylist()
+        out[k] = (manifest.version, [{c: v for c, v in r.items() if c not in TIMING_COLUMNS} for r in rows])
+    return out
+
+
+def _tensors(path):
+    import torch
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(path, "model.safetensors")), torch.load(os.path.join(path, "optimizer.pt"), weights_only=True)
+
+
+def _same_tree(a, b):
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same_tree(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same_tree(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.slow
+def test_killed_at_every_stage_boundary_resumes_to_the_uninterrupted_result(prefect_harness, weak_base, tmp_path):
+    import yaml
+
+    config_path = tmp_path / "campaign.yaml"
+    config_path.write_text(yaml.safe_dump({**CRASH_CONFIG, "round": {**CRASH_CONFIG["round"], "policy": {"base_model": weak_base}}}))
+    reference = Campaign(tmp_path, str(config_path), str(tmp_path / "reference"))
+    crashed = Campaign(tmp_path, str(config_path), str(tmp_path / "crashed"))
+
+    _, reference_s = reference.run("--config", str(config_path), "--run-id", "crash")
+    times = {}
+    _, times[KILL_POINTS[0]] = crashed.run("--config", str(config_path), "--run-id", "crash", crash_after=KILL_POINTS[0], expect_crash=True)
+    for point in KILL_POINTS[1:]:
+        _, times[point] = crashed.run("--resume", "crash", crash_after=point, expect_crash=True)
+    # Resume overhead: a process resumed after the last kill, dying again at the same point, only
+    # re-reaches where the previous one was: start-up, the ownership and input checks, skipping
+    # every recorded stage, and re-reading what train:2 had committed.
+    _, overhead_s = crashed.run("--resume", "crash", crash_after=KILL_POINTS[-1], expect_crash=True)
+    out, finish_s = crashed.run("--resume", "crash")
+    assert "round 2:" in out and "(resumed: rollout, filter" in out
+
+    # The registry: the same versions with the same lineage and evaluation tags, the same champion.
+    _, ref_versions, ref_runs, ref_champion = _registry(reference.storage)
+    client, versions, runs, champion = _registry(crashed.storage)
+    assert [str(v.version) for v in versions] == [str(v.version) for v in ref_versions] == ["1", "2", "3"]  # none twice
+    ref_traj, traj = _trajectories(reference.storage), _trajectories(crashed.storage)
+    for ref, got in zip(ref_versions, versions):
+        volatile = {"prefect_flow_run_id", "trajectory_version"}
+        assert {k: v for k, v in got.tags.items() if k not in volatile} == {k: v for k, v in ref.tags.items() if k not in volatile}
+        round_index = int(got.tags["round"])
+        if round_index:  # its trajectory version: the one its round committed (ids differ only by timings)
+            assert got.tags["trajectory_version"] == traj[round_index][0]
+    assert champion == ref_champion
+    # MLflow runs reused, not duplicated: one campaign run, one run per round, one dataset input each.
+    assert sorted(r.data.tags["rlrounds.kind"] for r in runs) == sorted(r.data.tags["rlrounds.kind"] for r in ref_runs)
+    assert len(runs) == 4
+    for r in runs:
+        if r.data.tags.get("rlrounds.round") in ("1", "2"):
+            assert len(client.get_run(r.info.run_id).inputs.dataset_inputs) == 1
+    # Trajectories: one version per round, every row once, identical but for the timing columns.
+    for k in (1, 2):
+        assert traj[k][1] == ref_traj[k][1] and len(traj[k][1]) > 0
+        assert len(os.listdir(StorageRoot.of(crashed.storage).round_trajectories("crash", k))) == 1
+    # Checkpoints: identical tensors, weights and optimizer state.
+    for k in (1, 2):
+        ref_ckpt = StorageRoot.of(reference.storage).checkpoint("crash", k)
+        ckpt = StorageRoot.of(crashed.storage).checkpoint("crash", k)
+        assert _same_tree(_tensors(ckpt), _tensors(ref_ckpt)), f"round {k} checkpoint differs"
+    print(f"\nuninterrupted campaign {reference_s:.1f} s; killed at {', '.join(KILL_POINTS)}: "
+          + ", ".join(f"{p} {s:.1f} s" for p, s in times.items())
+          + f"; resume overhead (reaching train:2 again) {overhead_s:.1f} s; final resume {finish_s:.1f} s")
+
+
+@pytest.mark.slow
+def test_rerunning_the_flow_with_the_same_run_id_continues_it(prefect_harness, weak_base, tmp_path, monkeypatch):
+    """What a Prefect deployment re-run does: the same flow, the same run_id, no --resume flag."""
+    from flows import stages
+    from flows.campaign import rl_campaign
+    from flows.config import CampaignConfig
+    from storage.trajectories import committed_round_version
+
+    class Stopped(Exception):
+        pass
+
+    def stop_after_train_1(stage, round_index):
+        if (stage, round_index) == ("train", 1):
+            raise Stopped("worker lost")  # in-process stand-in for the SIGKILL above
+
+    config = CampaignConfig.model_validate({**CRASH_CONFIG, "rounds": 1, "run_id": "rerun",
+                                            "round": {**CRASH_CONFIG["round"], "policy": {"base_model": weak_base}}})
+    storage = str(tmp_path / "data")
+    from tasks.engines import drop_serving_engines
+
+    drop_serving_engines()  # another test's engine may serve a policy of another shape in this process
+    monkeypatch.setattr(stages, "crash_point", stop_after_train_1)
+    try:
+        with pytest.raises(Stopped):
+            rl_campaign(config, storage=storage)
+        monkeypatch.undo()
+        result = rl_campaign(config, storage=storage)
+    finally:
+        drop_serving_engines()  # this process's engine serves the weak base: no later test may find it
+    root = StorageRoot.of(storage)
+    assert [r["round"] for r in result["rounds"]] == [0, 1]
+    assert result["rounds"][1]["trajectory_version"] == committed_round_version(root, "rerun", 1).version
+    assert result["final_model_version"] == "crash-policy/2"  # base + round 1, nothing registered twice
+    assert json.load(open(root.stage_record("rerun", 1, "train")))["output"]["value"]["resumed"] is True

@@ -42,7 +42,20 @@ class _Serving:
 
 
 _lock = threading.Lock()
-_serving: dict[tuple[str, str], _Serving] = {}
+_serving: dict[tuple[str, str, str], _Serving] = {}
+
+_SHAPE_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "tie_word_embeddings")
+
+
+def model_shape(local_dir: str) -> str:
+    """What must match for new weights to load into a live engine in place (not the values)."""
+    import json
+    import os
+
+    with open(os.path.join(local_dir, "config.json")) as f:
+        config = json.load(f)
+    return json.dumps({k: config.get(k) for k in _SHAPE_FIELDS}, sort_keys=True)
 
 
 def load_tokenizer(local_dir: str) -> Any:
@@ -128,7 +141,7 @@ def serving_engine(kind: str, local_dir: str, dtype: str, policy_version: int, m
     None means "wherever the live engine runs" (publish and evaluate); a different explicit placement
     replaces the live engine.
     """
-    key = (kind, dtype)
+    key = (kind, dtype, model_shape(local_dir))  # another architecture needs its own engine, not a reload
     with _lock:
         entry = _serving.get(key)
         if entry is not None and placement is not None and entry.placement != placement:

@@ -260,8 +260,8 @@ def _one_thread() -> dict:
 class Campaign:
     """`rlrounds run` in subprocesses sharing the test session's Prefect server; each its own process group."""
 
-    def __init__(self, tmp, config_path, storage):
-        self.tmp, self.config_path, self.storage = tmp, config_path, storage
+    def __init__(self, storage):
+        self.storage = storage
 
     def run(self, *args, crash_after=None, expect_crash=False):
         from prefect.settings import PREFECT_API_URL
@@ -338,8 +338,8 @@ def test_killed_at_every_stage_boundary_resumes_to_the_uninterrupted_result(pref
 
     config_path = tmp_path / "campaign.yaml"
     config_path.write_text(yaml.safe_dump({**CRASH_CONFIG, "round": {**CRASH_CONFIG["round"], "policy": {"base_model": weak_base}}}))
-    reference = Campaign(tmp_path, str(config_path), str(tmp_path / "reference"))
-    crashed = Campaign(tmp_path, str(config_path), str(tmp_path / "crashed"))
+    reference = Campaign(str(tmp_path / "reference"))
+    crashed = Campaign(str(tmp_path / "crashed"))
 
     _, reference_s = reference.run("--config", str(config_path), "--run-id", "crash")
     times = {}

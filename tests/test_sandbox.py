@@ -121,7 +121,7 @@ def add(a, b):
 
 
 @pytest.fixture(scope="module")
-def unprivileged() -> None:
+def unprivileged() -> dict:
     run = sandbox.run_sandboxed(PROBE, TESTS, LIMITS)
     assert classify(run, LIMITS).outcome is S, run
     seen = json.loads(run.stdout_tail)
@@ -133,11 +133,14 @@ def unprivileged() -> None:
     )
     if not dropped:
         pytest.fail(f"the sandbox is not unprivileged, refusing to run hostile cases: {seen}")
+    return seen
 
 
 @needs_root
-def test_sandbox_runs_unprivileged(unprivileged: None) -> None:
-    pass  # the fixture did the checking; this names it in the report
+def test_sandbox_runs_unprivileged(unprivileged: dict) -> None:
+    # the fixture refuses to go on otherwise; this states the facts in the report
+    assert all(int(uid) in SANDBOX_UIDS for uid in unprivileged["Uid"])
+    assert unprivileged["CapEff"] == ["0000000000000000"] and unprivileged["NoNewPrivs"] == ["1"]
 
 
 # -- hostile completions -----------------------------------------------------------------------------

@@ -31,8 +31,28 @@ log = logging.getLogger("rlrounds")
 
 
 def code_version() -> str:
-    """$RLROUNDS_CODE_VERSION (images built without .git), else the git commit of this code (with
-    '+dirty' for uncommitted changes), else the package version."""
+    """Which code and which dependency set trained a checkpoint: the code part, then ``deps:`` and a hash
+    of the installed lock (constraints.txt) when the code runs from a checkout that has one.
+
+    The code part is $RLROUNDS_CODE_VERSION (images built without .git), else the git commit of this
+    code (with '+dirty' for uncommitted changes), else the package version."""
+    deps = dependency_lock_hash()
+    return f"{_code_part()} deps:{deps}" if deps else _code_part()
+
+
+def dependency_lock_hash(path: str | None = None) -> str | None:
+    """sha256 prefix of the dependency lock beside this code (None when it is not there, e.g. a wheel)."""
+    import hashlib
+
+    path = path or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "constraints.txt")
+    try:
+        with open(path, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()[:12]
+    except OSError:
+        return None
+
+
+def _code_part() -> str:
     if os.environ.get("RLROUNDS_CODE_VERSION"):
         return os.environ["RLROUNDS_CODE_VERSION"]
     here = os.path.dirname(os.path.abspath(__file__))

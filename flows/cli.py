@@ -17,6 +17,8 @@ import uuid
 from flows.cli_data import add_commands
 
 EXIT_USAGE = 2
+# CampaignConfig.rounds' default, repeated so `--help` needs no config import; tests/test_install.py keeps them equal.
+DEFAULT_ROUNDS = 45
 
 
 class UserError(Exception):
@@ -218,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run a campaign of RL rounds")
-    run.add_argument("--rounds", type=int, help="number of rounds (default: the config's, 16)")
+    run.add_argument("--rounds", type=int, help=f"number of rounds (default: the config's, {DEFAULT_ROUNDS})")
     run.add_argument("--config", help="YAML or JSON campaign config (see `rlrounds config`)")
     run.add_argument("--storage", help="storage root: a directory or s3://bucket/prefix (default $RLROUNDS_STORAGE or ./rlrounds-data)")
     run.add_argument("--run-id", help="campaign id (default: a fresh one)")

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +68,22 @@ def probe_server(tracking: str, timeout_s: float = 5.0) -> None:
                            "or set RLROUNDS_MLFLOW_URI to a reachable one (unset it to use SQLite in the storage root)") from None
 
 
+SQLITE_BUSY_TIMEOUT_S = 120
+
+
+@contextmanager
+def _exclusive(lock_path: str) -> Iterator[None]:
+    """Hold an exclusive advisory lock on ``lock_path`` (created if needed) for the block."""
+    import fcntl
+
+    with open(lock_path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 @dataclass
 class Tracker:
     client: Any
@@ -81,7 +99,7 @@ class Tracker:
         if settings.s3_endpoint:  # MLflow's S3 artifact store reads its endpoint from this variable only
             os.environ["MLFLOW_S3_ENDPOINT_URL"] = settings.s3_endpoint
         if tracking.startswith("sqlite:///"):
-            db = tracking.removeprefix("sqlite:///")
+            db = tracking.removeprefix("sqlite:///").split("?", 1)[0]
             if must_exist and not os.path.exists(db):
                 raise LineageError(f"no MLflow registry at {db}; run a campaign with this storage root first, "
                                    "or set RLROUNDS_MLFLOW_URI to the tracking server the rounds used")
@@ -90,11 +108,25 @@ class Tracker:
             probe_server(tracking)
         from mlflow import MlflowClient
 
+        if not tracking.startswith("sqlite:///"):
+            try:
+                client = MlflowClient(tracking_uri=tracking, registry_uri=tracking)
+                client.search_experiments(max_results=1)
+            except Exception as exc:  # noqa: BLE001 -- any failure here means the store is unusable
+                raise LineageError(f"cannot reach MLflow at {tracking}: {exc}; set RLROUNDS_MLFLOW_URI to a reachable tracking server") from exc
+            return cls(client, artifacts)
+        # Many campaigns, rounds and replays may open one SQLite store at once. MLflow creates and
+        # migrates a new store on first use, and two processes migrating together break each other
+        # (duplicate tables, half-applied revisions), so one process at a time opens it. Writers then
+        # wait up to SQLITE_BUSY_TIMEOUT_S for each other's locks instead of failing at SQLite's 5 s.
+        uri = tracking if "timeout=" in tracking else f"{tracking}{'&' if '?' in tracking else '?'}timeout={SQLITE_BUSY_TIMEOUT_S}"
         try:
-            client = MlflowClient(tracking_uri=tracking, registry_uri=tracking)
-            client.search_experiments(max_results=1)
+            with _exclusive(f"{db}.open-lock"):
+                client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+                client.search_experiments(max_results=1)
         except Exception as exc:  # noqa: BLE001 -- any failure here means the store is unusable
-            raise LineageError(f"cannot reach MLflow at {tracking}: {exc}; set RLROUNDS_MLFLOW_URI to a reachable tracking server") from exc
+            raise LineageError(f"the MLflow store {db} cannot be opened: {exc}; check that its directory is writable and the file "
+                               "is an MLflow database, or set RLROUNDS_MLFLOW_URI to a tracking server") from exc
         return cls(client, artifacts)
 
     # -- runs -----------------------------------------------------------------------------------

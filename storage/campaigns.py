@@ -103,14 +103,16 @@ def _create_exclusive(root: StorageRoot, path: str, body: dict[str, Any]) -> boo
             os.unlink(tmp)
     if root.fs.exists(path):
         return False
-    try:  # a conditional put (S3 If-None-Match) where the store offers one
+    try:  # a conditional put: S3 (and moto, MinIO) refuse it with 412 when the key exists
         root.fs.pipe_file(path, data, mode="create")
         return True
     except FileExistsError:
         return False
-    except (TypeError, NotImplementedError, ValueError):  # no conditional writes: check, write, read back
-        root.fs.pipe_file(path, data)
-        return root.fs.cat_file(path) == data
+    except (TypeError, NotImplementedError, ValueError) as exc:
+        # Check-then-write cannot be exclusive between hosts; rather than a lock that silently is not
+        # one, refuse: one writer per run id is what makes resume safe.
+        raise CampaignError(f"the store under {root.uri} cannot create {path} exclusively ({type(exc).__name__}: {exc}); "
+                            "use a local directory or an S3 store with conditional writes (If-None-Match)") from exc
 
 
 def _read_json(root: StorageRoot, path: str) -> dict | None:

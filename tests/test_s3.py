@@ -185,3 +185,43 @@ def test_campaign_refilter_replay_and_lineage_on_s3(s3_endpoint, prefect_harness
     assert [s["derivation"][0]["uri"] for s in steps[:2]] == [
         root.trajectory_version("s3-tiny", k, rounds[k]["trajectory_version"]) for k in (2, 1)]
     assert os.environ["MLFLOW_S3_ENDPOINT_URL"] == s3_endpoint
+
+
+RACE_CLAIMS = """
+import sys
+from storage.campaigns import CampaignError, claim
+from storage.paths import StorageRoot
+
+root = StorageRoot.of(sys.argv[1])
+for k in range(int(sys.argv[2])):
+    try:
+        claim(root, f"race-{k}", {"writer": sys.argv[3]}, {"seed": 0}, "new")
+        print(k, flush=True)
+    except CampaignError:
+        pass
+"""
+
+
+def test_owner_lock_is_exclusive_between_racing_writers_on_s3(s3_endpoint, tmp_path):
+    """Two processes claim the same 12 run ids at once on one S3 root: every id gets exactly one owner,
+    and the stored record is the winner's (S3's conditional put decides, not a check then a write)."""
+    import subprocess
+    import sys
+
+    root = _root("race")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(__file__)), os.environ.get("PYTHONPATH", "")])}
+    writers = [subprocess.Popen([sys.executable, "-c", RACE_CLAIMS, root.uri, "12", name], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True) for name in ("a", "b")]
+    won = {}
+    for name, writer in zip(("a", "b"), writers):
+        out, err = writer.communicate(timeout=300)
+        assert writer.returncode == 0, err[-2000:]
+        won[name] = {int(k) for k in out.split()}
+    assert won["a"] | won["b"] == set(range(12))  # every run id has an owner
+    assert not won["a"] & won["b"]  # and never two
+    from storage.campaigns import read_campaign
+
+    fresh = StorageRoot.of(root.uri)
+    for name, ids in won.items():
+        for k in ids:
+            assert read_campaign(fresh, f"race-{k}")["config"] == {"writer": name}

@@ -249,6 +249,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from flows.orphans import mark_this_process, reap_orphans
+
+    reaped = reap_orphans()  # left by campaigns killed before they could stop their children
+    if reaped:
+        print(f"rlrounds: stopped {len(reaped)} process(es) left by a killed rlrounds (pids {', '.join(map(str, reaped))})",
+              file=sys.stderr)
+    mark_this_process()
     _quiet_libraries(args.debug)
     _setup_logging()
     if args.debug:

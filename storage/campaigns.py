@@ -49,17 +49,22 @@ class Owner:
 _HELD: set[str] = set()  # tokens this process holds; released when its campaign flow ends
 
 
-def _process_started(pid: int) -> str | None:
+def process_started(pid: int) -> str | None:
+    """A running process's start time (clock ticks since boot), so a reused pid is never taken for the
+    process it replaced; None when no such process runs (a zombie has exited)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]  # field 22, starttime; the name may hold spaces
-    except (OSError, IndexError):
+            fields = f.read().rsplit(")", 1)[1].split()  # the name before ")" may hold spaces
+    except OSError:
         return None
+    if len(fields) < 20 or fields[0] == "Z":  # fields[0] is the state, fields[19] field 22, starttime
+        return None
+    return fields[19]
 
 
 def _this_process(generation: int) -> Owner:
     pid = os.getpid()
-    return Owner(secrets.token_hex(8), pid, socket.gethostname(), _process_started(pid), generation, time.time())
+    return Owner(secrets.token_hex(8), pid, socket.gethostname(), process_started(pid), generation, time.time())
 
 
 def owner_alive(owner: Owner) -> bool | None:
@@ -76,7 +81,7 @@ def owner_alive(owner: Owner) -> bool | None:
         return False
     except PermissionError:
         pass  # exists, under another user
-    started = _process_started(owner.pid)
+    started = process_started(owner.pid)
     return not (owner.pid_started and started and started != owner.pid_started)
 
 

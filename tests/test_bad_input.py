@@ -142,7 +142,7 @@ def test_resume_of_an_unknown_campaign(capsys, tmp_path):
 def _started(storage: str, config: dict, pid: int | None = None) -> None:
     """A campaign started earlier (its owner: ``pid`` on this host, or a process that has exited)."""
     from flows.config import CampaignConfig
-    from storage.campaigns import _process_started, claim, release
+    from storage.campaigns import process_started, claim, release
     from storage.paths import StorageRoot
 
     c = CampaignConfig.model_validate(config)
@@ -150,7 +150,7 @@ def _started(storage: str, config: dict, pid: int | None = None) -> None:
     release(owner)
     record = json.load(open(StorageRoot.of(storage).campaign_file(c.run_id)))
     pid = pid or 2**22 + 17  # above the kernel's pid_max default: never a live process
-    record["owner"].update(token="earlier", pid=pid, pid_started=_process_started(pid))
+    record["owner"].update(token="earlier", pid=pid, pid_started=process_started(pid))
     json.dump(record, open(StorageRoot.of(storage).campaign_file(c.run_id), "w"))
 
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from storage.campaigns import (CampaignError, Owner, _process_started, assert_owner, claim, current_owner, owner_alive,
+from storage.campaigns import (CampaignError, Owner, process_started, assert_owner, claim, current_owner, owner_alive,
                                read_stage, release, stored_config, write_stage)
 from storage.paths import StorageRoot
 
@@ -83,7 +83,7 @@ def test_a_live_owner_keeps_its_campaign(tmp_path):
     with pytest.raises(CampaignError, match="is still running as pid"):
         claim(root, "r1", CONFIG, IDENTITY, "resume")  # same process, token still held
     release(owner)
-    _record_owner(root, "r1", token="elsewhere", pid=os.getppid(), pid_started=_process_started(os.getppid()))  # alive
+    _record_owner(root, "r1", token="elsewhere", pid=os.getppid(), pid_started=process_started(os.getppid()))  # alive
     with pytest.raises(CampaignError, match="is still running"):
         claim(root, "r1", CONFIG, IDENTITY, "auto")
     _record_owner(root, "r1", pid_started="1")  # the same pid, another process: the owner's pid was reused

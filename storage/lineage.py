@@ -34,6 +34,14 @@ class LineageError(RuntimeError):
     pass
 
 
+def parse_model_version(ref: str) -> tuple[str, str]:
+    """'NAME/VERSION' -> (name, version); the one parser of a registered model version reference."""
+    name, sep, version = ref.rpartition("/")
+    if not sep or not name or not version.isdigit():
+        raise LineageError(f"model version {ref!r} must look like NAME/VERSION, e.g. rlrounds-policy/3")
+    return name, version
+
+
 def tracking_uris(settings: Settings, root: StorageRoot) -> tuple[str, str]:
     """(tracking URI, default artifact location)."""
     if settings.mlflow_uri:
@@ -62,8 +70,10 @@ def probe_server(tracking: str, timeout_s: float = 5.0) -> None:
         pass  # something answered; whether it is MLflow, the first real call tells
     except (urllib.error.URLError, OSError, ValueError) as exc:
         reason = getattr(exc, "reason", None) or exc
-        raise LineageError(f"cannot reach MLflow at {tracking} ({reason}); start the tracking server, "
-                           "or set RLROUNDS_MLFLOW_URI to a reachable one (unset it to use SQLite in the storage root)") from None
+        raise LineageError(
+            f"cannot reach MLflow at {tracking} ({reason}); start the tracking server, "
+            "or set RLROUNDS_MLFLOW_URI to a reachable one (unset it to use SQLite in the storage root)"
+        ) from None
 
 
 @dataclass
@@ -72,7 +82,7 @@ class Tracker:
     artifact_location: str
 
     @classmethod
-    def connect(cls, settings: Settings, root: StorageRoot, must_exist: bool = False) -> "Tracker":
+    def connect(cls, settings: Settings, root: StorageRoot, must_exist: bool = False) -> Tracker:
         """``must_exist``: for read-only commands, refuse to create an empty SQLite store."""
         import logging
 
@@ -83,8 +93,10 @@ class Tracker:
         if tracking.startswith("sqlite:///"):
             db = tracking.removeprefix("sqlite:///")
             if must_exist and not os.path.exists(db):
-                raise LineageError(f"no MLflow registry at {db}; run a campaign with this storage root first, "
-                                   "or set RLROUNDS_MLFLOW_URI to the tracking server the rounds used")
+                raise LineageError(
+                    f"no MLflow registry at {db}; run a campaign with this storage root first, "
+                    "or set RLROUNDS_MLFLOW_URI to the tracking server the rounds used"
+                )
             os.makedirs(os.path.dirname(db) or ".", exist_ok=True)
         if tracking.startswith(("http://", "https://")):
             probe_server(tracking)
@@ -93,8 +105,10 @@ class Tracker:
         try:
             client = MlflowClient(tracking_uri=tracking, registry_uri=tracking)
             client.search_experiments(max_results=1)
-        except Exception as exc:  # noqa: BLE001 -- any failure here means the store is unusable
-            raise LineageError(f"cannot reach MLflow at {tracking}: {exc}; set RLROUNDS_MLFLOW_URI to a reachable tracking server") from exc
+        except Exception as exc:  # any failure here means the store is unusable
+            raise LineageError(
+                f"cannot reach MLflow at {tracking}: {exc}; set RLROUNDS_MLFLOW_URI to a reachable tracking server"
+            ) from exc
         return cls(client, artifacts)
 
     # -- runs -----------------------------------------------------------------------------------
@@ -105,7 +119,7 @@ class Tracker:
             return exp.experiment_id
         try:
             return self.client.create_experiment(name, artifact_location=f"{self.artifact_location}/{name}")
-        except Exception:  # noqa: BLE001 -- created concurrently: read it back
+        except Exception:  # created concurrently: read it back
             exp = self.client.get_experiment_by_name(name)
             if exp is None:
                 raise
@@ -126,7 +140,9 @@ class Tracker:
             all_tags["mlflow.parentRunId"] = parent
         return self.client.create_run(experiment_id, tags=all_tags, run_name=name).info.run_id
 
-    def log(self, run_id: str, metrics: dict[str, float] | None = None, params: dict[str, Any] | None = None, step: int = 0) -> None:
+    def log(
+        self, run_id: str, metrics: dict[str, float] | None = None, params: dict[str, Any] | None = None, step: int = 0
+    ) -> None:
         from mlflow.entities import Metric, Param
 
         now = int(time.time() * 1000)
@@ -139,7 +155,9 @@ class Tracker:
         from mlflow.entities import Dataset, DatasetInput, InputTag
 
         dataset = Dataset(name=name, digest=digest, source_type="trajectory_store", source=source)
-        self.client.log_inputs(run_id, datasets=[DatasetInput(dataset, tags=[InputTag("mlflow.data.context", context)])])
+        self.client.log_inputs(
+            run_id, datasets=[DatasetInput(dataset, tags=[InputTag("mlflow.data.context", context)])]
+        )
 
     def log_text(self, run_id: str, text: str, artifact_file: str) -> None:
         self.client.log_text(run_id, text, artifact_file)
@@ -166,7 +184,9 @@ class Tracker:
         missing = [t for t in LINEAGE_TAGS if t not in tags]
         if missing:
             raise LineageError(f"refusing to register {name} without lineage tags: {', '.join(missing)}")
-        mv = self.client.create_model_version(name, source=source, run_id=run_id, tags={k: str(v) for k, v in tags.items()})
+        mv = self.client.create_model_version(
+            name, source=source, run_id=run_id, tags={k: str(v) for k, v in tags.items()}
+        )
         return str(mv.version)
 
     def tag_model_version(self, name: str, version: str, tags: dict[str, Any]) -> None:

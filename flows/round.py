@@ -71,9 +71,11 @@ def rl_round(config: RoundConfig, storage: str, run_id: str, round_index: int, e
     stage = Stages(ctx)  # each stage runs once per (run, round, inputs); a resumed round skips the recorded ones
     clock.lap("open")
 
+    # rollout + verify: each sample is scored as it finishes, until the trainable batch is full
     rollout = stage.run("rollout", rollout_task, ctx=ctx, prompts=config.prompts, rollout=config.rollout,
                         verify=config.verify_resolved, filtering=config.filter, target_groups=config.target_groups)
     clock.lap("rollout")
+    # filter + store: advantages and drop decisions, committed as this round's trajectory version
     trajectories = stage.run("filter", filter_task, ctx=ctx, staging=rollout.staging, config=config.filter,
                              target_groups=config.target_groups, rollout_stats=rollout.stats)
     clock.lap("filter")

@@ -32,7 +32,7 @@ def _owner_of(pid: int) -> tuple[int, str] | None:
     prefix = f"{OWNER_VAR}=".encode()
     for entry in environ:
         if entry.startswith(prefix):
-            owner, _, started = entry[len(prefix):].decode(errors="replace").partition(":")
+            owner, _, started = entry[len(prefix) :].decode(errors="replace").partition(":")
             return (int(owner), started) if owner.isdigit() else None
     return None
 

@@ -30,9 +30,20 @@ print("done", sys.argv[2])
 @pytest.mark.slow
 def test_processes_open_a_new_store_together(tmp_path):
     root = str(tmp_path / "root")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(__file__)), os.environ.get("PYTHONPATH", "")])}
-    writers = [subprocess.Popen([sys.executable, "-c", OPEN_AND_WRITE, root, str(i)], env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True) for i in range(4)]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(__file__)), os.environ.get("PYTHONPATH", "")]),
+    }
+    writers = [
+        subprocess.Popen(
+            [sys.executable, "-c", OPEN_AND_WRITE, root, str(i)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(4)
+    ]
     results = [(w.wait(timeout=300), *w.communicate()) for w in writers]
     for i, (code, out, err) in enumerate(results):
         assert code == 0, f"writer {i} failed:\n{err[-2000:]}"

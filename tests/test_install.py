@@ -59,8 +59,9 @@ def test_ci_runs_the_readme_test_command_as_written():
 
 def test_lock_pins_every_dependency_the_install_names():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    wanted = _requirement_names(project["dependencies"] + project["optional-dependencies"]["test"]
-                                + project["optional-dependencies"]["ray"])
+    wanted = _requirement_names(
+        project["dependencies"] + project["optional-dependencies"]["test"] + project["optional-dependencies"]["ray"]
+    )
     pins = _pins()
     missing = wanted - set(pins)
     assert not missing, f"constraints.txt lacks {sorted(missing)}; regenerate it with `bash .ci/lock`"

@@ -77,8 +77,12 @@ def test_sigkilled_campaign_leaves_nothing_after_the_next_start(tmp_path, seed_b
     env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", OWNER_VAR)}
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(__file__)), env.get("PYTHONPATH", "")])
     cli = [sys.executable, "-m", "flows.cli"]
-    campaign = subprocess.Popen([*cli, "run", "--storage", storage, "--rounds", "1"], env=env, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
+    campaign = subprocess.Popen(
+        [*cli, "run", "--storage", storage, "--rounds", "1"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     servers: list[int] = []
     try:
         deadline = time.monotonic() + 240

@@ -22,6 +22,7 @@ from models.addition import Prompt
 from models.engine import GeneratedSample, GroupRequest, SamplingParams
 from tasks.filter import FilterConfig, group_is_trainable
 from tasks.prompts import PromptError, PromptsConfig, prompt_stream
+from tasks.simulated_env import with_simulated_environment
 from tasks.verify import (VERIFIER_VERSIONS, Outcome, Verdict, VerifierPool, VerifyConfig, check_infra_failure_rate,
                           get_verifier)
 
@@ -102,7 +103,7 @@ def generate_and_verify(
     """``max_context``: the model's positions; a prompt that cannot fit with rollout.max_tokens is an
     input error, raised before it is generated (the engine would fail deep inside, or silently wrap)."""
     verifier_name = verify.verifier or prompts.task
-    verifier = get_verifier(verifier_name)
+    verifier = with_simulated_environment(get_verifier(verifier_name), verify.simulated_environment, seed)
     sampling = SamplingParams(rollout.temperature, rollout.top_p, rollout.max_tokens, seed)
     stream = prompt_stream(prompts, seed)
     max_groups = int(target_groups * rollout.max_prompts_factor)

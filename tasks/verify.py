@@ -30,6 +30,8 @@ from typing import Callable
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tasks.simulated_env import SimulatedEnvironmentConfig
+
 
 class VerifyConfig(BaseModel):
     """How finished samples are scored."""
@@ -53,6 +55,9 @@ class VerifyConfig(BaseModel):
     """Seconds one verifier call may run before the pool records infra_failure and replaces its worker.
     Keep it above the verifier's own deadline (math: 5 s; python sandbox: wall_timeout_s), which
     decides whether slowness is the model's; this one only catches a verifier that never returns."""
+    simulated_environment: SimulatedEnvironmentConfig | None = None
+    """SIMULATION (tasks/simulated_env.py): rollout's verifier calls wait a seeded long-tailed delay and
+    may fail, standing for a remote environment. None: no simulated delay or failure."""
 
 
 class Outcome(str, enum.Enum):
@@ -127,9 +132,16 @@ def verify_python(completion_text: str, reference: str) -> Verdict:
     return verify(completion_text, reference)
 
 
-VERIFIERS: dict[str, Verifier] = {"addition": verify_addition, "math": verify_math, "python": verify_python}
-# "math" and "python" must equal tasks.verify_math.VERSION and tasks.sandbox.VERSION (a test checks).
-VERIFIER_VERSIONS: dict[str, str] = {"addition": "1", "math": "1", "python": "1"}
+def verify_longtail(completion_text: str, reference: str) -> Verdict:
+    """The counted-down list, exactly: tasks/verify_longtail.py."""
+    from tasks.verify_longtail import verify_longtail as verify
+
+    return verify(completion_text, reference)
+
+
+VERIFIERS: dict[str, Verifier] = {"addition": verify_addition, "math": verify_math, "python": verify_python, "longtail": verify_longtail}
+# "math", "python" and "longtail" must equal the VERSION of tasks.verify_math, tasks.sandbox, tasks.verify_longtail (a test checks).
+VERIFIER_VERSIONS: dict[str, str] = {"addition": "1", "math": "1", "python": "1", "longtail": "1"}
 
 
 def get_verifier(name: str) -> Verifier:

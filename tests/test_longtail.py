@@ -1,0 +1,154 @@
+"""The long-tail task, its verifier, and the simulated remote environment (a simulation: no remote calls)."""
+
+import statistics
+
+import pytest
+
+from models import longtail
+from tasks.simulated_env import SimulatedEnvironment, SimulatedEnvironmentConfig, draw, with_simulated_environment
+from tasks.verify import VERIFIER_VERSIONS, Outcome, Verdict, VerifierInfraError, VerifierPool, get_verifier, run_verifier
+
+
+# -- the task -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "start, span, text, reference",
+    [
+        (1, 1, "1>0=", "1,0"),  # the shortest answer
+        (10, 2, "10>8=", "10,9,8"),  # a borrow: the numbers get shorter
+        (500, 1, "500>499=", "500,499"),  # a borrow through two digits
+        (999, 14, "999>985=", ",".join(str(n) for n in range(999, 984, -1))),  # the longest prompt and answer
+    ],
+)
+def test_prompts_count_down_from_start_to_stop(start, span, text, reference):
+    prompt = longtail.make_prompt(start, span)
+    assert (prompt.text, prompt.reference, prompt.task) == (text, reference, "longtail")
+
+
+def test_held_out_set_is_fixed_distinct_and_never_trained_on():
+    held = longtail.held_out_prompts()
+    assert len(held) == len({p.prompt_id for p in held}) == longtail.HELD_OUT_SIZE
+    assert held == longtail.held_out_prompts()
+    held_ids = {p.prompt_id for p in held}
+    assert not held_ids & {p.prompt_id for p in longtail.training_prompts(seed=3, count=20_000)}
+
+
+def test_answer_lengths_have_a_tail():
+    """Most answers are short and a few are ten times longer: the tail comes from the task itself."""
+    lengths = sorted(len(p.reference) + 1 for p in longtail.training_prompts(seed=0, count=5_000))  # + end-of-sequence
+    p50, p99 = lengths[len(lengths) // 2], lengths[int(0.99 * len(lengths))]
+    assert p50 <= 8 and p99 >= 6 * p50, (p50, p99)
+    assert max(lengths) <= len(longtail.longest_prompt().reference) + 1
+
+
+def test_stream_is_seeded():
+    assert longtail.training_prompts(seed=7, count=50) == longtail.training_prompts(seed=7, count=50)
+    assert longtail.training_prompts(seed=7, count=50) != longtail.training_prompts(seed=8, count=50)
+
+
+# -- the verifier ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "completion, outcome",
+    [
+        ("12,11,10", Outcome.SUCCESS),  # exactly the count-down
+        (" 12,11,10\n", Outcome.SUCCESS),  # surrounding whitespace is not the model's answer
+        ("12,11", Outcome.MODEL_FAILURE),  # stopped early
+        ("12,11,10,9,8", Outcome.MODEL_FAILURE),  # ran on past the last number
+        ("12,11,9,8,7", Outcome.MODEL_FAILURE),  # skipped a number
+        ("12,11,10,", Outcome.MODEL_FAILURE),  # a trailing separator is part of the answer
+        ("", Outcome.MODEL_FAILURE),  # said nothing
+    ],
+)
+def test_longtail_verifier(completion, outcome):
+    verdict = run_verifier(get_verifier("longtail"), completion, "12,11,10")
+    assert verdict.outcome == outcome
+    assert verdict.reward == (1.0 if outcome == Outcome.SUCCESS else 0.0)
+
+
+def test_a_broken_reference_is_the_datasets_fault():
+    with pytest.raises(VerifierInfraError) as info:
+        get_verifier("longtail")("12,11", "twelve")
+    assert info.value.retryable is False
+
+
+def test_registered_version_matches_the_module():
+    from tasks import verify_longtail
+
+    assert VERIFIER_VERSIONS["longtail"] == verify_longtail.VERSION
+
+
+# -- the simulated environment ----------------------------------------------------------------------
+
+def _quantiles(config, n=20_000):
+    latencies = sorted(draw(config, f"sample-{i}").latency_s for i in range(n))
+    return latencies[n // 2], latencies[int(0.99 * n)]
+
+
+@pytest.mark.parametrize(
+    "median, ratio",
+    [
+        (0.05, 10.0),  # the default: one call in a hundred waits ten times the median
+        (0.2, 3.0),  # a milder tail
+        (0.01, 30.0),  # a heavier one
+    ],
+)
+def test_latency_quantiles_follow_the_config(median, ratio):
+    p50, p99 = _quantiles(SimulatedEnvironmentConfig(median_latency_s=median, p99_over_median=ratio))
+    assert p50 == pytest.approx(median, rel=0.05)
+    assert p99 / p50 == pytest.approx(ratio, rel=0.15)
+
+
+def test_ratio_one_is_a_constant_delay():
+    config = SimulatedEnvironmentConfig(median_latency_s=0.03, p99_over_median=1.0)
+    assert {round(draw(config, f"s{i}").latency_s, 12) for i in range(100)} == {0.03}
+
+
+def test_draws_are_seeded_per_sample():
+    config = SimulatedEnvironmentConfig()
+    assert draw(config, "r1/a") == draw(config, "r1/a")  # the same sample meets the same environment
+    assert draw(config, "r1/a") != draw(config, "r1/b")  # another sample, another draw
+    assert draw(config, "r1/a") != draw(config.model_copy(update={"seed": 1}), "r1/a")  # another environment seed
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.1, 0.5])
+def test_failure_rate_follows_the_config(rate):
+    config = SimulatedEnvironmentConfig(infra_failure_rate=rate)
+    failures = statistics.fmean(draw(config, f"s{i}").fails for i in range(10_000))
+    assert failures == pytest.approx(rate, abs=0.015)
+
+
+def test_environment_waits_then_scores_or_fails():
+    slept: list[float] = []
+    rule = get_verifier("longtail")
+    calm = SimulatedEnvironment(rule, SimulatedEnvironmentConfig(), round_seed=1, sleep=slept.append)
+    assert calm("3,2", "3,2").outcome == Outcome.SUCCESS
+    assert calm("3,1", "3,2").outcome == Outcome.MODEL_FAILURE
+    assert len(slept) == 2 and all(s > 0 for s in slept)
+    broken = SimulatedEnvironment(rule, SimulatedEnvironmentConfig(infra_failure_rate=1.0), round_seed=1, sleep=slept.append)
+    verdict = run_verifier(broken, "3,2", "3,2")  # a correct answer, but the environment failed: never a zero reward
+    assert (verdict.outcome, verdict.reward) == (Outcome.INFRA_FAILURE, None)
+    assert "simulated environment failure" in verdict.error
+
+
+def test_no_simulation_leaves_the_verifier_alone():
+    rule = get_verifier("longtail")
+    assert with_simulated_environment(rule, None, round_seed=0) is rule
+
+
+def test_pool_meets_the_same_environment_whatever_the_schedule():
+    """Real threads, real sleeps: outcomes per sample do not depend on which worker ran it."""
+    config = SimulatedEnvironmentConfig(median_latency_s=0.002, infra_failure_rate=0.3)
+    samples = [(f"{n},{n - 1}", f"{n},{n - 1}") for n in range(1, 41)]
+
+    def outcomes(workers: int) -> list[Outcome]:
+        env = with_simulated_environment(get_verifier("longtail"), config, round_seed=5)
+        with VerifierPool(env, workers=workers, retries=2, retry_budget=100) as pool:
+            futures = [pool.submit(text, ref) for text, ref in samples]
+            verdicts: list[Verdict] = [f.result() for f in futures]
+        assert all(v.attempts == 1 for v in verdicts)  # simulated failures are permanent: no retry is spent
+        return [v.outcome for v in verdicts]
+
+    one, many = outcomes(1), outcomes(8)
+    assert one == many
+    assert set(one) == {Outcome.SUCCESS, Outcome.INFRA_FAILURE}

@@ -3,8 +3,8 @@
 Built so that completion lengths have a real tail, as reasoning traces do in RL post-training:
 
 - the answer's length grows with the input: a span of ``s`` steps is ``s + 1`` numbers, about
-  ``4(s + 1)`` characters; spans are drawn with probability proportional to ``s**-2`` (1 to 14), so most
-  answers are a few tokens and a few are ten times longer;
+  ``4(s + 1)`` characters; spans are drawn with probability proportional to ``s**-1.8`` (1 to 20), so
+  most answers are a few tokens (p50 8) and one in a hundred is nine times longer or more;
 - a wrong step runs on: the policy stops when it writes ``b``, so a sample that skips past ``b``
   (a borrow gone wrong, a number dropped) keeps counting down until ``rollout.max_tokens``, the way
   wrong reasoning does.
@@ -23,8 +23,8 @@ from models.addition import Prompt
 TASK_NAME = "longtail"
 CHARACTERS = "0123456789>,="
 MAX_START = 999
-MAX_SPAN = 14
-SPAN_EXPONENT = 2.0
+MAX_SPAN = 20
+SPAN_EXPONENT = 1.8
 HELD_OUT_SIZE = 500
 _HELD_OUT_SEED = 20_250_414
 _SPANS = list(range(1, MAX_SPAN + 1))

@@ -4,7 +4,7 @@ Built so that completion lengths have a real tail, as reasoning traces do in RL 
 
 - the answer's length grows with the input: a span of ``s`` steps is ``s + 1`` numbers, about
   ``4(s + 1)`` characters; spans are drawn with probability proportional to ``s**-1.8`` (1 to 20), so
-  most answers are a few tokens (p50 8) and one in a hundred is nine times longer or more;
+  most answers are a few tokens (p50 8) and one in a hundred is about eight times longer or more;
 - a wrong step runs on: the policy stops when it writes ``b``, so a sample that skips past ``b``
   (a borrow gone wrong, a number dropped) keeps counting down until ``rollout.max_tokens``, the way
   wrong reasoning does.

@@ -8,8 +8,8 @@ the task is.
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 TASK_NAME = "addition"
 MAX_OPERAND = 99

@@ -12,33 +12,15 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import TYPE_CHECKING
 
+from models.recipe import RECIPE_VERSION as RECIPE_VERSION  # re-exported: the addition base's cache name uses it
+from models.recipe import BaseRecipe
 from models.tokenizer import build_char_tokenizer
 
 if TYPE_CHECKING:
     from models.builtin import BuiltinTask
-
-RECIPE_VERSION = "2"
-
-
-@dataclass(frozen=True)
-class BaseRecipe:
-    hidden_size: int = 128
-    num_layers: int = 3
-    intermediate_size: int = 384
-    num_heads: int = 4
-    max_steps: int = 1500
-    check_every: int = 25
-    stop_at_accuracy: float = 0.35  # validation accuracy at which training stops (RL needs headroom)
-    batch_size: int = 128
-    learning_rate: float = 1e-3
-    seed: int = 0
-    threads: int = 2  # float reductions split by thread count: fixing it makes every machine build the same policy
-    max_position_embeddings: int = 64  # prompt plus the longest completion rollout may ask for
-    length_buckets: int = 1  # >1: a batch runs as this many forward passes grouped by length (same loss, less padding)
-    teacher_forced_checks: bool = False  # judge validation in one forward pass (see teacher_forced_accuracy), not by decoding
 
 
 def build_model(recipe: BaseRecipe, vocab_size: int, tokenizer):
@@ -60,7 +42,9 @@ def build_model(recipe: BaseRecipe, vocab_size: int, tokenizer):
     return LlamaForCausalLM(config)
 
 
-def build_base_policy(out_dir: str, recipe: BaseRecipe | None = None, progress=None, task: "BuiltinTask | None" = None) -> dict:
+def build_base_policy(
+    out_dir: str, recipe: BaseRecipe | None = None, progress=None, task: BuiltinTask | None = None
+) -> dict:
     """Train the base policy of ``task`` (default: addition) into ``out_dir`` (local), with its own recipe
     unless ``recipe`` is given. Returns its metadata (with held-out accuracy)."""
     import torch
@@ -78,7 +62,7 @@ def build_base_policy(out_dir: str, recipe: BaseRecipe | None = None, progress=N
         torch.set_num_threads(previous_threads)
 
 
-def _build(out_dir: str, recipe: BaseRecipe, progress, start: float, task: "BuiltinTask") -> dict:
+def _build(out_dir: str, recipe: BaseRecipe, progress, start: float, task: BuiltinTask) -> dict:
     import torch
 
     from models.engine import EmbeddedEngine
@@ -104,7 +88,9 @@ def _build(out_dir: str, recipe: BaseRecipe, progress, start: float, task: "Buil
             logits = _logits(model, batch)
             # Supervised loss on the answer tokens only: the prompt is given, never predicted. Each
             # bucket's tokens weigh as they would in one pass over the whole batch.
-            nll = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), batch.input_ids[:, 1:], reduction="none")
+            nll = torch.nn.functional.cross_entropy(
+                logits[:, :-1].transpose(1, 2), batch.input_ids[:, 1:], reduction="none"
+            )
             loss = (nll * batch.completion_mask.float()).sum() / answer_tokens
             loss.backward()
             loss_value += loss.item()
@@ -151,13 +137,17 @@ def _answer_batch(tokenizer, prompts):
     from models.policy import pack_sequences
 
     enc_prompts = [tokenizer(p.text)["input_ids"] for p in prompts]
-    enc_answers = [tokenizer(p.reference, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for p in prompts]
+    enc_answers = [
+        tokenizer(p.reference, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for p in prompts
+    ]
     return pack_sequences(enc_prompts, enc_answers, tokenizer.pad_token_id)
 
 
 def _logits(model, batch):
     positions = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
-    return model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=positions).logits  # [B, T, V]
+    return model(
+        input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=positions
+    ).logits  # [B, T, V]
 
 
 def teacher_forced_accuracy(model, tokenizer, prompts, buckets: int = 1) -> float:
@@ -178,20 +168,19 @@ def teacher_forced_accuracy(model, tokenizer, prompts, buckets: int = 1) -> floa
 
 def greedy_accuracy(engine, tokenizer, prompts, max_tokens: int = 8) -> float:
     """Greedy exact-match accuracy of ``engine`` on ``prompts`` (the built-in verifiers' rule)."""
-    from models.engine import GroupRequest, SamplingParams
+    from models.engine import greedy_completions
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    requests = [GroupRequest(p.prompt_id, tuple(tokenizer(p.text)["input_ids"]), 1, params) for p in prompts]
-    by_id = {p.prompt_id: p for p in prompts}
-    correct = 0
-    for sample in engine.generate(requests):
-        text = tokenizer.decode(sample.token_ids, skip_special_tokens=True).strip()
-        correct += text == by_id[sample.group_id].reference
+    correct = sum(
+        text.strip() == prompt.reference
+        for prompt, text, _ in greedy_completions(engine, tokenizer, prompts, max_tokens)
+    )
     return correct / len(prompts)
 
 
 if __name__ == "__main__":
     from models.builtin import BUILTINS
 
-    meta = build_base_policy(sys.argv[1], progress=print, task=BUILTINS[sys.argv[2] if len(sys.argv) > 2 else "builtin"])
+    meta = build_base_policy(
+        sys.argv[1], progress=print, task=BUILTINS[sys.argv[2] if len(sys.argv) > 2 else "builtin"]
+    )
     print(json.dumps(meta, indent=2))

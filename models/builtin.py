@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from types import ModuleType
 
 from models import addition, longtail
-from models.base_policy import RECIPE_VERSION, BaseRecipe
+from models.recipe import RECIPE_VERSION, BaseRecipe
 from models.tokenizer import CHARACTERS
 
 
@@ -25,7 +25,8 @@ class BuiltinTask:
     task: str
     """Task name on every row; also the verifier's name."""
     data: ModuleType
-    """Prompt data: ``prompt_stream(seed)``, ``training_prompts(seed, count)``, ``held_out_prompts()``, ``longest_prompt()``."""
+    """Prompt data: ``prompt_stream(seed)``, ``training_prompts(seed, count)``, ``held_out_prompts()``,
+    ``longest_prompt()``."""
     characters: str
     """The character tokenizer's alphabet (after pad/bos/eos/unk)."""
     answer_tokens: int
@@ -41,14 +42,38 @@ class BuiltinTask:
 
 
 BUILTINS: dict[str, BuiltinTask] = {
-    "builtin": BuiltinTask("builtin", "builtin:addition", addition.TASK_NAME, addition, "".join(CHARACTERS), 8,
-                           BaseRecipe(), RECIPE_VERSION, "builtin-addition-llama"),
+    "builtin": BuiltinTask(
+        "builtin",
+        "builtin:addition",
+        addition.TASK_NAME,
+        addition,
+        "".join(CHARACTERS),
+        8,
+        BaseRecipe(),
+        RECIPE_VERSION,
+        "builtin-addition-llama",
+    ),
     # Longer sequences than addition: the counted-down answers reach 84 tokens and rollout lets wrong
     # ones run on, so the model gets 128 positions. Smaller, faster steps than addition's recipe keep the
     # build near a minute and a half on a busy 2-core machine; one thread, because two threads spin
     # against each other when the cores are shared.
-    "builtin-longtail": BuiltinTask("builtin-longtail", "builtin:longtail", longtail.TASK_NAME, longtail, longtail.CHARACTERS,
-                                    88, BaseRecipe(batch_size=64, learning_rate=2e-3, threads=1, max_position_embeddings=128,
-                                               length_buckets=4, teacher_forced_checks=True), "1", "builtin-longtail-llama"),
+    "builtin-longtail": BuiltinTask(
+        "builtin-longtail",
+        "builtin:longtail",
+        longtail.TASK_NAME,
+        longtail,
+        longtail.CHARACTERS,
+        88,
+        BaseRecipe(
+            batch_size=64,
+            learning_rate=2e-3,
+            threads=1,
+            max_position_embeddings=128,
+            length_buckets=4,
+            teacher_forced_checks=True,
+        ),
+        "1",
+        "builtin-longtail-llama",
+    ),
 }
 BUILTIN_SOURCES: dict[str, BuiltinTask] = {b.source: b for b in BUILTINS.values()}

@@ -16,7 +16,7 @@ drawn from the same distribution, disjoint from every training prompt.
 from __future__ import annotations
 
 import random
-from typing import Iterator
+from collections.abc import Iterator
 
 from models.addition import Prompt
 
@@ -38,7 +38,9 @@ def countdown(start: int, stop: int) -> str:
 
 def make_prompt(start: int, span: int) -> Prompt:
     stop = start - span
-    return Prompt(prompt_id=f"down-{start}-{stop}", task=TASK_NAME, text=f"{start}>{stop}=", reference=countdown(start, stop))
+    return Prompt(
+        prompt_id=f"down-{start}-{stop}", task=TASK_NAME, text=f"{start}>{stop}=", reference=countdown(start, stop)
+    )
 
 
 def longest_prompt() -> Prompt:

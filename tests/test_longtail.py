@@ -5,11 +5,19 @@ import statistics
 import pytest
 
 from models import longtail
-from tasks.simulated_env import SimulatedEnvironment, SimulatedEnvironmentConfig, draw, with_simulated_environment
-from tasks.verify import VERIFIER_VERSIONS, Outcome, Verdict, VerifierInfraError, VerifierPool, get_verifier, run_verifier
-
+from tasks.verifiers.config import VerifyConfig
+from tasks.verifiers.outcome import Outcome, Verdict, VerifierInfraError
+from tasks.verifiers.pool import VerifierPool, run_verifier
+from tasks.verifiers.registry import get_verifier, rollout_verifier, rollout_verifier_version, verifier_version
+from tasks.verifiers.simulated_env import (
+    SimulatedEnvironment,
+    SimulatedEnvironmentConfig,
+    draw,
+    with_simulated_environment,
+)
 
 # -- the task -------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize(
     "start, span, text, reference",
@@ -48,6 +56,7 @@ def test_stream_is_seeded():
 
 # -- the verifier ---------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize(
     "completion, outcome",
     [
@@ -73,12 +82,13 @@ def test_a_broken_reference_is_the_datasets_fault():
 
 
 def test_registered_version_matches_the_module():
-    from tasks import verify_longtail
+    from tasks.verifiers import longtail as verify_longtail
 
-    assert VERIFIER_VERSIONS["longtail"] == verify_longtail.VERSION
+    assert verifier_version("longtail") == verify_longtail.VERSION
 
 
 # -- the simulated environment ----------------------------------------------------------------------
+
 
 def _quantiles(config, n=20_000):
     latencies = sorted(draw(config, f"sample-{i}").latency_s for i in range(n))
@@ -125,7 +135,9 @@ def test_environment_waits_then_scores_or_fails():
     assert calm("3,2", "3,2").outcome == Outcome.SUCCESS
     assert calm("3,1", "3,2").outcome == Outcome.MODEL_FAILURE
     assert len(slept) == 2 and all(s > 0 for s in slept)
-    broken = SimulatedEnvironment(rule, SimulatedEnvironmentConfig(infra_failure_rate=1.0), round_seed=1, sleep=slept.append)
+    broken = SimulatedEnvironment(
+        rule, SimulatedEnvironmentConfig(infra_failure_rate=1.0), round_seed=1, sleep=slept.append
+    )
     verdict = run_verifier(broken, "3,2", "3,2")  # a correct answer, but the environment failed: never a zero reward
     assert (verdict.outcome, verdict.reward) == (Outcome.INFRA_FAILURE, None)
     assert "simulated environment failure" in verdict.error
@@ -134,6 +146,32 @@ def test_environment_waits_then_scores_or_fails():
 def test_no_simulation_leaves_the_verifier_alone():
     rule = get_verifier("longtail")
     assert with_simulated_environment(rule, None, round_seed=0) is rule
+
+
+def test_rollout_scores_behind_the_simulation_only_when_it_is_configured():
+    from tasks.verifiers import simulated_env
+
+    bare = VerifyConfig()
+    assert rollout_verifier("longtail", bare, round_seed=0) is get_verifier("longtail", bare)
+    assert rollout_verifier_version("longtail", bare) == verifier_version("longtail")
+    simulated = VerifyConfig(simulated_environment={"median_latency_s": 0.0, "infra_failure_rate": 1.0})
+    verifier = rollout_verifier("longtail", simulated, round_seed=3)
+    assert isinstance(verifier, SimulatedEnvironment) and verifier.round_seed == 3
+    assert run_verifier(verifier, "3,2", "3,2").outcome == Outcome.INFRA_FAILURE
+    version = rollout_verifier_version("longtail", simulated)  # rewards scored behind a simulation say so
+    assert version == f"{verifier_version('longtail')}+simulated-env-{simulated_env.VERSION}"
+
+
+def test_simulation_fields_are_labelled_and_checked():
+    from tasks.config_base import field_help
+
+    fields = SimulatedEnvironmentConfig.model_fields
+    assert all(fields[name].description.startswith("SIMULATION") for name in fields)
+    assert field_help(VerifyConfig, ("simulated_environment",)).startswith("SIMULATION")
+    with pytest.raises(ValueError, match="p99_over_median"):
+        VerifyConfig(simulated_environment={"p99_over_median": 0.5})
+    with pytest.raises(ValueError, match="Extra inputs"):
+        VerifyConfig(simulated_environment={"median_latency": 0.1})
 
 
 def test_pool_meets_the_same_environment_whatever_the_schedule():
@@ -156,6 +194,7 @@ def test_pool_meets_the_same_environment_whatever_the_schedule():
 
 # -- the base recipe's shortcut -----------------------------------------------------------------------
 
+
 def test_teacher_forced_accuracy_is_greedy_exact_match():
     """One forward pass gives greedy decoding's verdict: references set to what greedy decoding wrote
     all pass, and a one-character change (or a missing end) fails each of them."""
@@ -167,20 +206,37 @@ def test_teacher_forced_accuracy_is_greedy_exact_match():
 
     torch.manual_seed(0)
     tokenizer = build_char_tokenizer(longtail.CHARACTERS)
-    model = build_model(BaseRecipe(hidden_size=32, num_layers=1, intermediate_size=64, num_heads=2), len(tokenizer), tokenizer).eval()
+    model = build_model(
+        BaseRecipe(hidden_size=32, num_layers=1, intermediate_size=64, num_heads=2), len(tokenizer), tokenizer
+    ).eval()
     with torch.no_grad():  # make end-of-sequence likely, so greedy answers stop within the limit
         model.lm_head.weight[tokenizer.eos_token_id] += 0.5 * model.lm_head.weight.abs().mean()
     prompts = longtail.training_prompts(seed=0, count=256)
     engine = EmbeddedEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id)
-    requests = [GroupRequest(p.prompt_id, tuple(tokenizer(p.text)["input_ids"]), 1, SamplingParams(0.0, 1.0, 12, 0)) for p in prompts]
+    requests = [
+        GroupRequest(p.prompt_id, tuple(tokenizer(p.text)["input_ids"]), 1, SamplingParams(0.0, 1.0, 12, 0))
+        for p in prompts
+    ]
     written = {s.group_id: s.token_ids for s in engine.generate(requests)}
     special = set(tokenizer.all_special_ids)
-    stopped = [p for p in prompts if written[p.prompt_id][-1] == tokenizer.eos_token_id and len(written[p.prompt_id]) > 1
-               and not special & set(written[p.prompt_id][:-1])]
+    stopped = [
+        p
+        for p in prompts
+        if written[p.prompt_id][-1] == tokenizer.eos_token_id
+        and len(written[p.prompt_id]) > 1
+        and not special & set(written[p.prompt_id][:-1])
+    ]
     assert len(stopped) >= 8, "the test needs greedy answers that end"
-    as_written = [p.__class__(p.prompt_id, p.task, p.text, tokenizer.decode(written[p.prompt_id][:-1])) for p in stopped]
+    as_written = [
+        p.__class__(p.prompt_id, p.task, p.text, tokenizer.decode(written[p.prompt_id][:-1])) for p in stopped
+    ]
     assert teacher_forced_accuracy(model, tokenizer, as_written, buckets=3) == 1.0
-    changed = [p.__class__(p.prompt_id, p.task, p.text, p.reference[:-1] + ("1" if p.reference[-1] != "1" else "2")) for p in as_written]
+    changed = [
+        p.__class__(p.prompt_id, p.task, p.text, p.reference[:-1] + ("1" if p.reference[-1] != "1" else "2"))
+        for p in as_written
+    ]
     assert teacher_forced_accuracy(model, tokenizer, changed) == 0.0
-    longer = [p.__class__(p.prompt_id, p.task, p.text, p.reference + ",0") for p in as_written]  # greedy stops before this
+    longer = [
+        p.__class__(p.prompt_id, p.task, p.text, p.reference + ",0") for p in as_written
+    ]  # greedy stops before this
     assert teacher_forced_accuracy(model, tokenizer, longer) == 0.0

@@ -34,7 +34,11 @@ def test_long_tail_preset_selects_its_task_base_and_simulated_environment():
     assert "long-tail" in preset_names()
     config = load_campaign_config(None, "long-tail")
     rc = config.round
-    assert (rc.policy.base_model, rc.prompts.source, rc.verifier) == ("builtin-longtail", "builtin:longtail", "longtail")
+    assert (rc.policy.base_model, rc.prompts.source, rc.verifier) == (
+        "builtin-longtail",
+        "builtin:longtail",
+        "longtail",
+    )
     assert rc.verify.simulated_environment is not None and rc.verify.simulated_environment.p99_over_median == 10.0
     assert rc.evaluate.max_tokens >= len("999,998,997,996,995,994,993,992,991,990,989,988,987,986,985") + 1
 
@@ -58,10 +62,12 @@ def test_config_file_is_laid_over_the_preset_and_flags_apply_last(tmp_path):
     assert config.round.prompts == preset.round.prompts
 
 
-def test_config_prints_the_presets_full_config(capsys):
+def test_config_prints_the_presets_full_config_with_field_help(capsys):
     assert main(["config", "--preset", "long-tail"]) == 0
-    printed = yaml.safe_load(capsys.readouterr().out)
-    assert printed == load_campaign_config(None, "long-tail").model_dump(mode="json")
+    text = capsys.readouterr().out
+    assert yaml.safe_load(text) == load_campaign_config(None, "long-tail").model_dump(mode="json")
+    assert "    # Samples per group. GRPO compares samples of one prompt, so at least 2.\n" in text
+    assert "    simulated_environment:\n      # SIMULATION: median seconds" in text  # the simulation says it is one
     assert main(["config"]) == 0
     assert yaml.safe_load(capsys.readouterr().out) == CampaignConfig().model_dump(mode="json")
 
@@ -80,7 +86,10 @@ def test_unknown_preset_fails_in_one_line_naming_the_known_ones(argv, capsys, tm
     "round_fields, fragment",
     [
         ({"prompts": {"source": "builtin:longtail"}}, "set prompts.task to 'longtail'"),
-        ({"prompts": {"source": "builtin:longtail", "task": "longtail"}}, "set policy.base_model to 'builtin-longtail'"),
+        (
+            {"prompts": {"source": "builtin:longtail", "task": "longtail"}},
+            "set policy.base_model to 'builtin-longtail'",
+        ),
         ({"policy": {"base_model": "builtin-longtial"}}, "'builtin' or 'builtin-longtail'"),
     ],
 )

@@ -3,16 +3,16 @@
 A pure function of (completion, reference). A completion that stops early, skips a number or runs on
 past the last one is the model's failure; a reference that is not a comma-separated count-down is
 the dataset's, raised as a permanent infrastructure failure. Its latency in the long-tail preset comes
-from ``tasks.simulated_env`` (a simulation), never from here.
+from ``tasks.verifiers.simulated_env`` (a simulation), never from here.
 """
 
 from __future__ import annotations
 
 import re
 
-from tasks.verify import Outcome, Verdict, VerifierInfraError
+from tasks.verifiers.outcome import Outcome, Verdict, VerifierInfraError
 
-VERSION = "1"
+VERSION = "1"  # bump when the matching rule changes; recorded with every reward
 
 _COUNTDOWN = re.compile(r"\d+(,\d+)*")
 

@@ -1,9 +1,9 @@
 """A SIMULATED remote environment: the latency and outages of a sandbox or remote verifier, without one.
 
 Nothing here calls a remote service. When ``verify.simulated_environment`` is set, every verifier call
-of rollout first waits a delay drawn from a lognormal distribution (``time.sleep``; the verifier
-thread is idle, as it would be waiting on a remote call) and, with probability
-``infra_failure_rate``, then fails as the environment would (``VerifierInfraError``: outcome
+of rollout (``registry.rollout_verifier``) first waits a delay drawn from a lognormal distribution
+(``time.sleep``; the verifier thread is idle, as it would be waiting on a remote call) and, with
+probability ``infra_failure_rate``, then fails as the environment would (``VerifierInfraError``: outcome
 ``infra_failure``, never a zero reward). The real verifier scores everything else. It exists to give
 benchmarks and the long-tail preset an environment whose latency has a tail (p99 / p50 about 10 by
 default) and to exercise the failure taxonomy on demand.
@@ -15,6 +15,9 @@ that sample: it is raised as not retryable (another attempt would meet the same 
 
 Held-out evaluation scores with the bare verifier: the simulation stands for the cost of the training
 environment, and accuracy must not depend on simulated outages.
+
+While it is on, rollout records ``<verifier version>+simulated-env-<VERSION>`` beside every reward, so
+trajectories scored behind the simulation are told apart from those scored without it.
 """
 
 from __future__ import annotations
@@ -23,21 +26,22 @@ import hashlib
 import math
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-if TYPE_CHECKING:
-    from tasks.verify import Verdict, Verifier
+from tasks.config_base import Config
+from tasks.verifiers.outcome import Verdict, Verifier, VerifierInfraError
+
+VERSION = "1"  # bump when the draws or their meaning change; recorded with every reward it stood in front of
 
 _Z99 = statistics.NormalDist().inv_cdf(0.99)  # 2.326: p99 of a lognormal is median * exp(sigma * z99)
 
 
-class SimulatedEnvironmentConfig(BaseModel):
-    """SIMULATION of a remote environment's latency and outages around the verifier (no remote service is called)."""
-
-    model_config = ConfigDict(extra="forbid")
+class SimulatedEnvironmentConfig(Config):
+    """SIMULATION of a remote environment's latency and outages around the verifier (no remote service is
+    called)."""
 
     median_latency_s: float = Field(0.05, ge=0.0, le=60.0)
     """SIMULATION: median seconds a verifier call waits before scoring, standing for a remote round trip
@@ -85,25 +89,32 @@ def sample_key(round_seed: int, reference: str, completion_text: str) -> str:
 class SimulatedEnvironment:
     """A verifier behind the simulated environment: wait, maybe fail, else score with ``verifier``."""
 
-    def __init__(self, verifier: "Verifier", config: SimulatedEnvironmentConfig, round_seed: int,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+    def __init__(
+        self,
+        verifier: Verifier,
+        config: SimulatedEnvironmentConfig,
+        round_seed: int,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         self.verifier = verifier
         self.config = config
         self.round_seed = round_seed
         self._sleep = sleep
 
-    def __call__(self, completion_text: str, reference: str) -> "Verdict":
-        from tasks.verify import VerifierInfraError
-
+    def __call__(self, completion_text: str, reference: str) -> Verdict:
         env = draw(self.config, sample_key(self.round_seed, reference, completion_text))
         self._sleep(env.latency_s)
         if env.fails:
-            raise VerifierInfraError(f"simulated environment failure after {env.latency_s:.3f}s "
-                                     f"(verify.simulated_environment.infra_failure_rate={self.config.infra_failure_rate:g})",
-                                     retryable=False)
+            raise VerifierInfraError(
+                f"simulated environment failure after {env.latency_s:.3f}s "
+                f"(verify.simulated_environment.infra_failure_rate={self.config.infra_failure_rate:g})",
+                retryable=False,
+            )
         return self.verifier(completion_text, reference)
 
 
-def with_simulated_environment(verifier: "Verifier", config: SimulatedEnvironmentConfig | None, round_seed: int) -> "Verifier":
+def with_simulated_environment(
+    verifier: Verifier, config: SimulatedEnvironmentConfig | None, round_seed: int
+) -> Verifier:
     """``verifier`` itself when no simulation is configured, else the verifier behind it."""
     return verifier if config is None else SimulatedEnvironment(verifier, config, round_seed)

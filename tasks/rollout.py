@@ -29,7 +29,7 @@ from tasks.results import NotInput, Staged
 from tasks.verifiers.config import VerifyConfig
 from tasks.verifiers.outcome import Outcome, Verdict
 from tasks.verifiers.pool import VerifierPool, check_infra_failure_rate
-from tasks.verifiers.registry import get_verifier, verifier_version
+from tasks.verifiers.registry import rollout_verifier, rollout_verifier_version
 
 
 class RolloutConfig(Config):
@@ -106,7 +106,7 @@ def generate_and_verify(
     """``max_context``: the model's positions; a prompt that cannot fit with rollout.max_tokens is an
     input error, raised before it is generated (the engine would fail deep inside, or silently wrap)."""
     verifier_name = verify.verifier or prompts.task
-    verifier = get_verifier(verifier_name, verify)
+    verifier = rollout_verifier(verifier_name, verify, seed)
     sampling = SamplingParams(rollout.temperature, rollout.top_p, rollout.max_tokens, seed)
     stream = prompt_stream(prompts, seed)
     max_groups = int(target_groups * rollout.max_prompts_factor)
@@ -165,7 +165,7 @@ def generate_and_verify(
     pool_stats = pool.stats()  # retries spent, workers replaced, timeouts: how hard the environment was to use
 
     engine_info = engine.info
-    version = verifier_version(verifier_name)
+    version = rollout_verifier_version(verifier_name, verify)
     rows = []
     for state in completed:
         for sample, future in sorted(zip(state.samples, state.futures), key=lambda p: p[0].sample_index):

@@ -111,6 +111,29 @@ def apply_decisions(rows: list[dict], decisions: dict[tuple[str, int], FilterDec
     return out
 
 
+def length_bias(rows: list[dict]) -> dict[str, float]:
+    """Which completion lengths training sees, against what was generated: rows are split into four
+    buckets at the quartiles of the stored completion lengths; per bucket, its share of the generated
+    samples and of the kept ones. Keeping only early finishers shows as a long bucket kept less than
+    generated; ``filter/length_bias`` is mean kept length over mean generated length (1: none)."""
+    lengths = sorted(len(r["completion_token_ids"]) for r in rows)
+    kept = [len(r["completion_token_ids"]) for r in rows if r["kept"]]
+    if not lengths:
+        return {}
+    edges = [lengths[min(len(lengths) - 1, (len(lengths) * q) // 4)] for q in (1, 2, 3)] + [lengths[-1]]
+    stats: dict[str, float] = {}
+    lower = -1
+    for q, upper in enumerate(edges, start=1):
+        stats[f"filter/length_q{q}_max_tokens"] = upper
+        stats[f"filter/length_q{q}_generated_share"] = sum(lower < n <= upper for n in lengths) / len(lengths)
+        stats[f"filter/length_q{q}_kept_share"] = sum(lower < n <= upper for n in kept) / max(len(kept), 1)
+        lower = max(lower, upper)
+    stats["filter/generated_mean_tokens"] = sum(lengths) / len(lengths)
+    stats["filter/kept_mean_tokens"] = sum(kept) / max(len(kept), 1)
+    stats["filter/length_bias"] = stats["filter/kept_mean_tokens"] / max(stats["filter/generated_mean_tokens"], 1e-9)
+    return stats
+
+
 def filter_stats(rows: list[dict]) -> dict[str, float]:
     from collections import Counter
 
@@ -124,6 +147,9 @@ def filter_stats(rows: list[dict]) -> dict[str, float]:
     }
     for reason in (DROP_INFRA, DROP_UNKNOWN, DROP_ZERO_VARIANCE, DROP_INCOMPLETE, DROP_OVERFLOW):
         stats[f"filter/dropped_{reason}"] = reasons.get(reason, 0)
+    if rows and "completion_token_ids" in rows[0]:
+        stats.update(length_bias(rows))
+    stats["filter/kept_rows_spanning_versions"] = sum(1 for r in rows if r["kept"] and len(set(r.get("token_policy_versions") or [])) > 1)
     return stats
 
 
@@ -134,15 +160,18 @@ def run_filter(ctx, staging_uri: str | None, config: FilterConfig, target_groups
 
     ``rollout_stats`` travel in the manifest, so a resumed round still reports how its rollout went.
     Idempotent: once the round's version is committed it is returned as it is (staging is gone by then)."""
-    from storage.paths import StorageRoot
-    from storage.trajectories import TrajectoryStoreError, committed_round_version, read_table, rows_to_table, write_version
+    import io
 
     import pyarrow.parquet as pq
+
+    from storage.paths import CARRYOVER, StorageRoot
+    from storage.trajectories import TrajectoryStoreError, committed_round_version, read_table, rows_to_table, write_version
 
     root = StorageRoot.of(ctx.storage)
     committed = committed_round_version(root, ctx.run_id, ctx.round)
     if committed is not None:
-        rows = read_table(root, committed, columns=["group_id", "kept", "drop_reason"]).to_pylist()
+        rows = read_table(root, committed, columns=["group_id", "kept", "drop_reason", "completion_token_ids",
+                                                    "token_policy_versions"]).to_pylist()
         return {"version": committed.version, "uri": committed.directory, "stats": filter_stats(rows), "resumed": True}
     if staging_uri is None or not root.fs.exists(staging_uri):
         raise TrajectoryStoreError(f"round {ctx.round} of run {ctx.run_id}: the staged rollout {staging_uri} is gone and no trajectory "
@@ -150,6 +179,13 @@ def run_filter(ctx, staging_uri: str | None, config: FilterConfig, target_groups
                                    "to generate the round again")
     with root.fs.open(staging_uri, "rb") as f:
         rows = pq.read_table(f).to_pylist()
+    attachments = {}
+    carry_staging = root.carryover_staging_file(ctx.run_id, ctx.round)
+    if root.fs.exists(carry_staging):  # the round's unfinished samples: committed with its version, resumed next round
+        with root.fs.open(carry_staging, "rb") as f:
+            carry = f.read()
+        if pq.read_metadata(io.BytesIO(carry)).num_rows:
+            attachments[CARRYOVER] = carry
     rows = apply_decisions(rows, decide(rows, config), target_groups)
     meta = {
         "kind": "rollout",
@@ -160,7 +196,7 @@ def run_filter(ctx, staging_uri: str | None, config: FilterConfig, target_groups
                        "policy_version": ctx.parent_policy_version},
         "rollout_stats": rollout_stats or {},
     }
-    manifest = write_version(root, lambda v: root.trajectory_version(ctx.run_id, ctx.round, v), rows_to_table(rows), meta)
+    manifest = write_version(root, lambda v: root.trajectory_version(ctx.run_id, ctx.round, v), rows_to_table(rows), meta, attachments)
     root.fs.rm(root.staging(ctx.run_id, ctx.round), recursive=True)  # committed: the staging copy is redundant
     return {"version": manifest.version, "uri": manifest.directory, "stats": filter_stats(rows), "resumed": False}
 

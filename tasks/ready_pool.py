@@ -142,7 +142,7 @@ class ReadyPool:
         """Last round's unfinished groups: their finished-but-unverified samples go to the verifier
         now, their partial samples are resumed first by ``feed``."""
         for group in groups:
-            group.carried = True
+            group.carried, group.generated_seq = True, None
             self.groups[group.request.group_id] = group
             self._carried.append(group)
             for slot in group.slots:

@@ -24,7 +24,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from models.addition import Prompt
-from models.engine import ABORT, GeneratedSample, GroupRequest, SamplingParams
+from models.engine import GeneratedSample, GroupRequest, SamplingParams
 from tasks.filter import FilterConfig, group_is_trainable
 from tasks.prompts import PromptError, PromptsConfig, prompt_stream
 from tasks.ready_pool import PARTIAL, VERIFIED, Group, Harvest, PoolLimits, ReadyPool, Slot

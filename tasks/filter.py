@@ -112,15 +112,16 @@ def apply_decisions(rows: list[dict], decisions: dict[tuple[str, int], FilterDec
 
 
 def length_bias(rows: list[dict]) -> dict[str, float]:
-    """Which completion lengths training sees, against what was generated: rows are split into four
-    buckets at the quartiles of the stored completion lengths; per bucket, its share of the generated
+    """Which completion lengths training sees, against what was generated: rows are split into (up to)
+    four buckets at the quartiles of the stored completion lengths; per bucket, its share of the generated
     samples and of the kept ones. Keeping only early finishers shows as a long bucket kept less than
     generated; ``filter/length_bias`` is mean kept length over mean generated length (1: none)."""
     lengths = sorted(len(r["completion_token_ids"]) for r in rows)
     kept = [len(r["completion_token_ids"]) for r in rows if r["kept"]]
     if not lengths:
         return {}
-    edges = [lengths[min(len(lengths) - 1, (len(lengths) * q) // 4)] for q in (1, 2, 3)] + [lengths[-1]]
+    # Quartile edges; fewer buckets when lengths repeat (a bucket is never empty of generated samples).
+    edges = sorted({lengths[max(0, len(lengths) * q // 4 - 1)] for q in (1, 2, 3)} | {lengths[-1]})
     stats: dict[str, float] = {}
     lower = -1
     for q, upper in enumerate(edges, start=1):

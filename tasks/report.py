@@ -47,7 +47,9 @@ def straggler_wait(stats: dict[str, Any]) -> dict[str, float]:
     finishing stragglers, verdicts, staging, filter and store, loading the trainer). Absent when the
     round resumed past either moment (the other process's clock is not this one's)."""
     ready, started = stats.get("rollout/batch_ready_at"), stats.get("train/started_at")
-    return {} if ready is None or started is None else {"rollout/straggler_wait_s": max(0.0, started - ready)}
+    if ready is None or started is None or stats.get("resume/stages_skipped"):
+        return {}
+    return {"rollout/straggler_wait_s": max(0.0, started - ready)}
 
 
 def _tail(s: dict, prefix: str) -> str:
@@ -57,7 +59,7 @@ def _tail(s: dict, prefix: str) -> str:
 
 def _length_bias(s: dict) -> str:
     buckets = [f"<= {_fmt(s, f'filter/length_q{q}_max_tokens', '.0f')} tokens {_fmt(s, f'filter/length_q{q}_kept_share', '.0%')} "
-               f"vs {_fmt(s, f'filter/length_q{q}_generated_share', '.0%')}" for q in range(1, 5)]
+               f"vs {_fmt(s, f'filter/length_q{q}_generated_share', '.0%')}" for q in range(1, 5) if f"filter/length_q{q}_max_tokens" in s]
     return (f"kept vs generated share by completion length: {'; '.join(buckets)}; mean kept length / generated "
             f"{_fmt(s, 'filter/length_bias', '.3f')} (1: no bias)")
 

@@ -42,7 +42,7 @@ def _rounds(storage):
 
 
 @pytest.fixture(scope="module")
-def campaigns(prefect_harness, weak_base, tmp_path_factory):
+def campaigns(prefect_harness, weak_base, tmp_path_factory):  # noqa: F811 -- the fixture imported above
     import yaml
 
     home = tmp_path_factory.mktemp("partial")

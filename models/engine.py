@@ -24,8 +24,9 @@ index), so a resumed sample draws the same noise at each position it would have 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Protocol
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -82,15 +83,19 @@ class GroupRequest:
             raise ValueError(f"group {self.group_id}: n and max_tokens must be >= 1")
         for p in self.resume:
             if p.group_id != self.group_id or not p.partial or not 0 <= p.sample_index < self.n:
-                raise ValueError(f"group {self.group_id}: resume holds sample {p.group_id}/{p.sample_index} "
-                                 f"({p.finish_reason}); only this group's partial samples (finish_reason 'abort') resume")
+                raise ValueError(
+                    f"group {self.group_id}: resume holds sample {p.group_id}/{p.sample_index} "
+                    f"({p.finish_reason}); only this group's partial samples (finish_reason 'abort') resume"
+                )
             if len(p.token_ids) >= self.sampling.max_tokens:
-                raise ValueError(f"group {self.group_id}: partial sample {p.sample_index} already has max_tokens tokens")
+                raise ValueError(
+                    f"group {self.group_id}: partial sample {p.sample_index} already has max_tokens tokens"
+                )
 
     def sample_indices(self) -> list[int]:
         return [p.sample_index for p in self.resume] if self.resume else list(range(self.n))
 
-    def prefix(self, sample_index: int) -> "GeneratedSample | None":
+    def prefix(self, sample_index: int) -> GeneratedSample | None:
         return next((p for p in self.resume if p.sample_index == sample_index), None)
 
 
@@ -109,18 +114,22 @@ class EngineInfo:
     dtype: str
 
 
-class Engine(Protocol):
-    info: EngineInfo
-    policy_version: int
+def greedy_completions(
+    engine: Any, tokenizer: Any, prompts: Sequence[Any], max_tokens: int
+) -> Iterator[tuple[Any, str, int]]:
+    """(prompt, decoded completion, completion tokens) of each prompt's one greedy sample, in finish order.
 
-    def generate(self, groups: Iterable[GroupRequest], should_stop: Callable[[], bool] | None = None) -> Iterator[GeneratedSample]:
-        """Finished samples as they finish; once ``should_stop()`` is True, every sample still held
-        comes back partial (``finish_reason='abort'``) and the iterator ends."""
-        ...
-
-    def load_weights(self, checkpoint_dir: str, policy_version: int) -> float:
-        """Serve new weights in place; returns the seconds the engine could not serve."""
-        ...
+    ``prompts`` carry ``prompt_id`` and ``text`` (models.addition.Prompt); how an answer is scored is the
+    caller's (the evaluation stage's verifier, the base recipe's exact match)."""
+    params = SamplingParams(temperature=0.0, top_p=1.0, max_tokens=max_tokens, seed=0)
+    requests = [GroupRequest(p.prompt_id, tuple(tokenizer(p.text)["input_ids"]), 1, params) for p in prompts]
+    by_id = {p.prompt_id: p for p in prompts}
+    for sample in engine.generate(requests):
+        yield (
+            by_id[sample.group_id],
+            tokenizer.decode(sample.token_ids, skip_special_tokens=True),
+            len(sample.token_ids),
+        )
 
 
 def sample_seed(seed: int, group_id: str, sample_index: int) -> int:
@@ -144,7 +153,7 @@ class _Sequence:
     gen_s: float = 0.0  # generation seconds of earlier segments
 
     @classmethod
-    def of(cls, group: GroupRequest, sample_index: int) -> "_Sequence":
+    def of(cls, group: GroupRequest, sample_index: int) -> _Sequence:
         seq = cls(group, sample_index, sample_seed(group.sampling.seed, group.group_id, sample_index))
         carried = group.prefix(sample_index)
         if carried is not None:
@@ -155,8 +164,18 @@ class _Sequence:
 
     def sample(self, reason: str, now: float) -> GeneratedSample:
         gen_s = self.gen_s + (now - self.segment_at if self.segment_at else 0.0)
-        return GeneratedSample(self.group.group_id, self.sample_index, self.group.prompt_token_ids, self.tokens, self.logprobs,
-                               self.versions, reason, self.started_at or now, now, gen_s)
+        return GeneratedSample(
+            self.group.group_id,
+            self.sample_index,
+            self.group.prompt_token_ids,
+            self.tokens,
+            self.logprobs,
+            self.versions,
+            reason,
+            self.started_at or now,
+            now,
+            gen_s,
+        )
 
 
 class EmbeddedEngine:
@@ -190,7 +209,9 @@ class EmbeddedEngine:
 
     # -- decoding ------------------------------------------------------------------------------
 
-    def generate(self, groups: Iterable[GroupRequest], should_stop: Callable[[], bool] | None = None) -> Iterator[GeneratedSample]:
+    def generate(
+        self, groups: Iterable[GroupRequest], should_stop: Callable[[], bool] | None = None
+    ) -> Iterator[GeneratedSample]:
         """Groups are pulled from ``groups`` only when slots free up, so a caller can stop feeding
         (its iterator ends) the moment it has enough, and in-flight groups still finish; or stop
         them too, through ``should_stop`` (polled before every decode step), and get them back partial."""
@@ -228,7 +249,7 @@ class EmbeddedEngine:
                     return
                 yield from self._sample_and_retire(batch)
 
-    def _prefill(self, seqs: list[_Sequence]) -> "_Batch":
+    def _prefill(self, seqs: list[_Sequence]) -> _Batch:
         """Prompt (+ the prefix of a resumed sample), left-padded: [B, width]; logits for the next token."""
         import torch
 
@@ -246,7 +267,7 @@ class EmbeddedEngine:
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
         return _Batch(seqs, out.past_key_values, mask, positions[:, -1] + 1, out.logits[:, -1, :].float())
 
-    def _decode_step(self, batch: "_Batch") -> None:
+    def _decode_step(self, batch: _Batch) -> None:
         import torch
 
         ids = batch.last_tokens.unsqueeze(-1)  # [B, 1]
@@ -262,7 +283,7 @@ class EmbeddedEngine:
         batch.next_pos = batch.next_pos + 1
         batch.logits = out.logits[:, -1, :].float()
 
-    def _sample_and_retire(self, batch: "_Batch") -> Iterator[GeneratedSample]:
+    def _sample_and_retire(self, batch: _Batch) -> Iterator[GeneratedSample]:
         import torch
 
         tokens, logprobs = sample_tokens(batch.logits, batch.seqs, self.eos_token_id)
@@ -283,7 +304,7 @@ class EmbeddedEngine:
             batch.select(torch.tensor(keep, dtype=torch.long))
 
 
-def sample_tokens(logits: "torch.Tensor", seqs: list[_Sequence], eos_token_id: int) -> tuple["torch.Tensor", "torch.Tensor"]:
+def sample_tokens(logits: torch.Tensor, seqs: list[_Sequence], eos_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row; return it and its logprob under the distribution it was drawn from.
 
     logits: [B, V] float32. Each row uses its own temperature and top-p. Gumbel-max on the processed
@@ -318,7 +339,7 @@ def _signed(c: int) -> int:
 _GOLDEN, _MIX1, _MIX2 = _signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
 
 
-def counter_uniform(seeds: "torch.Tensor", positions: "torch.Tensor", vocab: int) -> "torch.Tensor":
+def counter_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
     """Uniform (0, 1) noise [B, V] from a splitmix64 hash of (seed, position, index): stateless and
     vectorised, so no per-row generator is needed. Integer overflow wraps, as the hash intends."""
     import torch
@@ -332,7 +353,7 @@ def counter_uniform(seeds: "torch.Tensor", positions: "torch.Tensor", vocab: int
     return ((mantissa.to(torch.float64) + 0.5) * 2.0**-53).to(torch.float32).clamp(1e-12, 1 - 1e-7)
 
 
-def _top_p_filter(scaled: "torch.Tensor", top_ps: "torch.Tensor") -> "torch.Tensor":
+def _top_p_filter(scaled: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
     """Keep the smallest set of tokens whose probability reaches top_p (per row); mask the rest."""
     import torch
 
@@ -350,20 +371,20 @@ class _Batch:
 
     seqs: list[_Sequence]
     cache: object
-    mask: "torch.Tensor"  # [B, L] 1 for real tokens
-    next_pos: "torch.Tensor"  # [B] position id of the next token
-    logits: "torch.Tensor"  # [B, V] logits for the next token
-    last_tokens: "torch.Tensor | None" = None
+    mask: torch.Tensor  # [B, L] 1 for real tokens
+    next_pos: torch.Tensor  # [B] position id of the next token
+    logits: torch.Tensor  # [B, V] logits for the next token
+    last_tokens: torch.Tensor | None = None
 
     @classmethod
-    def empty(cls) -> "_Batch":
+    def empty(cls) -> _Batch:
         return cls([], None, None, None, None)  # type: ignore[arg-type]
 
     @property
     def size(self) -> int:
         return len(self.seqs)
 
-    def select(self, rows: "torch.Tensor") -> None:
+    def select(self, rows: torch.Tensor) -> None:
         self.seqs = [self.seqs[i] for i in rows.tolist()]
         if not self.seqs:
             self.cache = None
@@ -372,7 +393,7 @@ class _Batch:
         self.mask, self.next_pos, self.logits = self.mask[rows], self.next_pos[rows], self.logits[rows]
         self.last_tokens = self.last_tokens[rows]
 
-    def merge(self, new: "_Batch") -> "_Batch":
+    def merge(self, new: _Batch) -> _Batch:
         """Join a freshly prefilled wave to the running batch; both must have logits ready.
 
         Rows of different lengths share one cache by left-padding the shorter side with masked zeros.
@@ -384,7 +405,7 @@ class _Batch:
 
         width = max(self.mask.shape[1], new.mask.shape[1])
 
-        def pad(t: "torch.Tensor", dim: int) -> "torch.Tensor":
+        def pad(t: torch.Tensor, dim: int) -> torch.Tensor:
             missing = width - t.shape[dim]
             if missing == 0:
                 return t

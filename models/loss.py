@@ -26,12 +26,12 @@ if TYPE_CHECKING:
 
 @dataclass
 class LossInputs:
-    logprobs: "torch.Tensor"  # [B, T] trainer logprobs, with grad
-    behaviour_logprobs: "torch.Tensor"  # [B, T] engine logprobs
-    advantages: "torch.Tensor"  # [B]
-    mask: "torch.Tensor"  # [B, T] 1.0 on completion tokens
-    proximal_logprobs: "torch.Tensor | None" = None  # [B, T]
-    ref_logprobs: "torch.Tensor | None" = None  # [B, T] reference policy, for the KL penalty
+    logprobs: torch.Tensor  # [B, T] trainer logprobs, with grad
+    behaviour_logprobs: torch.Tensor  # [B, T] engine logprobs
+    advantages: torch.Tensor  # [B]
+    mask: torch.Tensor  # [B, T] 1.0 on completion tokens
+    proximal_logprobs: torch.Tensor | None = None  # [B, T]
+    ref_logprobs: torch.Tensor | None = None  # [B, T] reference policy, for the KL penalty
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class LossSettings:
 
 @dataclass
 class LossOutput:
-    loss: "torch.Tensor"  # scalar, differentiable
+    loss: torch.Tensor  # scalar, differentiable
     clip_fraction: float  # share of tokens whose ratio left the trust region in the direction of A
     ratio_mean: float
     tis_mean: float  # mean truncated importance weight (1.0 when engine and trainer agree)
@@ -53,11 +53,11 @@ class LossOutput:
     kl: float  # k3 estimate of KL(pi_theta || ref), 0 without a reference
 
 
-def masked_mean(x: "torch.Tensor", mask: "torch.Tensor") -> "torch.Tensor":
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1.0)
 
 
-def aggregate(per_token: "torch.Tensor", mask: "torch.Tensor", how: str) -> "torch.Tensor":
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Tensor:
     """[B, T] -> scalar."""
     if how == "token":
         return masked_mean(per_token, mask)
@@ -92,7 +92,11 @@ def policy_loss(x: LossInputs, s: LossSettings) -> LossOutput:
     loss = aggregate(per_token, mask, s.aggregation)
     with torch.no_grad():
         was_clipped = ((ratio * adv) > (clipped * adv)).float()
-        truncated = (tis < torch.exp(proximal - x.behaviour_logprobs) - 1e-12).float() if x.proximal_logprobs is not None else torch.zeros_like(ratio)
+        truncated = (
+            (tis < torch.exp(proximal - x.behaviour_logprobs) - 1e-12).float()
+            if x.proximal_logprobs is not None
+            else torch.zeros_like(ratio)
+        )
         return LossOutput(
             loss=loss,
             clip_fraction=float(masked_mean(was_clipped, mask)),
@@ -103,7 +107,7 @@ def policy_loss(x: LossInputs, s: LossSettings) -> LossOutput:
         )
 
 
-def logprob_mismatch(trainer: "torch.Tensor", engine: "torch.Tensor", mask: "torch.Tensor") -> dict[str, float]:
+def logprob_mismatch(trainer: torch.Tensor, engine: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     """How far the engine's logprobs are from the trainer's on the same tokens and weights.
 
     trainer, engine, mask: [B, T]. Returns mean and max |delta| and a k3 estimate of KL(mu || pi).

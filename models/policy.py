@@ -17,14 +17,21 @@ if TYPE_CHECKING:
 WEIGHTS_FILE = "model.safetensors"
 REQUIRED_FILES = ("config.json", "tokenizer_config.json")
 
-_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}
+_DTYPES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+}
 
 
 class PolicyLoadError(ValueError):
     pass
 
 
-def torch_dtype(name: str) -> "torch.dtype":
+def torch_dtype(name: str) -> torch.dtype:
     import torch
 
     try:
@@ -36,12 +43,17 @@ def torch_dtype(name: str) -> "torch.dtype":
 def check_policy_dir(path: str) -> None:
     """Fail with one line naming what is missing, before any heavy import."""
     if not os.path.isdir(path):
-        raise PolicyLoadError(f"policy directory {path} does not exist; set policy.base_model to a Hugging Face causal-LM directory or 'builtin'")
+        raise PolicyLoadError(
+            f"policy directory {path} does not exist; set policy.base_model to a Hugging Face causal-LM directory or "
+            "'builtin'"
+        )
     missing = [f for f in REQUIRED_FILES if not os.path.exists(os.path.join(path, f))]
     if not any(f.endswith((".safetensors", ".bin")) for f in os.listdir(path)):
         missing.append("model weights (*.safetensors)")
     if missing:
-        raise PolicyLoadError(f"policy directory {path} is missing {', '.join(missing)}; point to a complete Hugging Face checkpoint")
+        raise PolicyLoadError(
+            f"policy directory {path} is missing {', '.join(missing)}; point to a complete Hugging Face checkpoint"
+        )
 
 
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
@@ -58,7 +70,9 @@ def context_length(path: str) -> int | None:
         with open(os.path.join(path, "config.json")) as f:
             config = json.load(f)
     except (OSError, ValueError) as exc:
-        raise PolicyLoadError(f"policy directory {path}: config.json is unreadable ({exc}); point to a complete Hugging Face checkpoint") from None
+        raise PolicyLoadError(
+            f"policy directory {path}: config.json is unreadable ({exc}); point to a complete Hugging Face checkpoint"
+        ) from None
     for scope in (config, config.get("text_config") or {}):
         for key in _CONTEXT_KEYS:
             if isinstance(scope.get(key), int) and scope[key] > 0:
@@ -80,7 +94,7 @@ def load_policy(path: str, dtype: str = "float32") -> tuple[Any, Any]:
     return model.eval(), tokenizer
 
 
-def load_state_dict(path: str) -> dict[str, "torch.Tensor"]:
+def load_state_dict(path: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(os.path.join(path, WEIGHTS_FILE))
@@ -104,9 +118,9 @@ class TokenBatch:
     completion_mask: [B, T-1] 1 where the *target* token (position t+1) is a completion token
     """
 
-    input_ids: "torch.Tensor"
-    attention_mask: "torch.Tensor"
-    completion_mask: "torch.Tensor"
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    completion_mask: torch.Tensor
 
 
 def pack_sequences(prompts: list[list[int]], completions: list[list[int]], pad_token_id: int) -> TokenBatch:
@@ -126,7 +140,7 @@ def pack_sequences(prompts: list[list[int]], completions: list[list[int]], pad_t
     return TokenBatch(ids, attn, comp[:, 1:])
 
 
-def token_logprobs(model: Any, batch: TokenBatch, temperature: float = 1.0) -> "torch.Tensor":
+def token_logprobs(model: Any, batch: TokenBatch, temperature: float = 1.0) -> torch.Tensor:
     """Log-probabilities of each next token under the model at ``temperature``: [B, T-1].
 
     The engine reports logprobs under its sampling distribution (logits / temperature), so the

@@ -27,7 +27,8 @@ import threading
 import time
 import uuid
 from collections import deque
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 from models.engine import EngineInfo, GeneratedSample, GroupRequest, unstarted
 
@@ -112,20 +113,30 @@ class ReplicaRouter:
         try:
             described = ray.get([a.describe.remote() for a in actors], timeout=START_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
-            raise RuntimeError(f"{len(actors)} engine replicas did not start within {START_TIMEOUT_S} s; the Ray cluster "
-                               f"has {ray.available_resources()} free: lower rollout.replicas or add nodes") from None
+            raise RuntimeError(
+                f"{len(actors)} engine replicas did not start within {START_TIMEOUT_S} s; the Ray cluster "
+                f"has {ray.available_resources()} free: lower rollout.replicas or add nodes"
+            ) from None
         self.info: EngineInfo = described[0][0]
         self.policy_version: int = described[0][1]
         self.routed = [0] * len(actors)  # groups sent to each replica (over this router's life)
 
     @classmethod
-    def start(cls, build: Callable[[], Any], replicas: int, cpus_per_replica: float = 1.0, gpus_per_replica: float = 0.0,
-              groups_per_call: int = 64) -> "ReplicaRouter":
+    def start(
+        cls,
+        build: Callable[[], Any],
+        replicas: int,
+        cpus_per_replica: float = 1.0,
+        gpus_per_replica: float = 0.0,
+        groups_per_call: int = 64,
+    ) -> ReplicaRouter:
         """Start ``replicas`` actors on the connected Ray cluster (``ray.init`` must have run)."""
         import ray
 
         # The default group stays one thread (one call drives the engine at a time); stop() has its own.
-        actor_class = ray.remote(num_cpus=cpus_per_replica, num_gpus=gpus_per_replica, concurrency_groups={CONTROL: 1})(EngineReplica)
+        actor_class = ray.remote(num_cpus=cpus_per_replica, num_gpus=gpus_per_replica, concurrency_groups={CONTROL: 1})(
+            EngineReplica
+        )
         threads = max(1, int(cpus_per_replica))
         return cls([actor_class.remote(build, threads) for _ in range(replicas)], groups_per_call)
 
@@ -133,7 +144,9 @@ class ReplicaRouter:
     def replicas(self) -> int:
         return len(self.actors)
 
-    def generate(self, groups: Iterable[GroupRequest], should_stop: Callable[[], bool] | None = None) -> Iterator[GeneratedSample]:
+    def generate(
+        self, groups: Iterable[GroupRequest], should_stop: Callable[[], bool] | None = None
+    ) -> Iterator[GeneratedSample]:
         """Keep up to ``calls_per_replica`` calls of ``groups_per_call`` groups on each replica;
         pull more groups only when a replica has room for another call."""
         import ray
@@ -154,7 +167,11 @@ class ReplicaRouter:
                 # Groups are routed by prompt, so filling one idle replica may queue groups for others;
                 # the buffer cap bounds how far ahead of the engines the caller's feed is read.
                 cap = self.groups_per_call * len(self.actors)
-                while not exhausted and sum(map(len, queues)) < cap and any(wants_more(r) for r in range(len(self.actors))):
+                while (
+                    not exhausted
+                    and sum(map(len, queues)) < cap
+                    and any(wants_more(r) for r in range(len(self.actors)))
+                ):
                     group = next(feed, None)
                     if group is None:
                         exhausted = True
@@ -176,7 +193,9 @@ class ReplicaRouter:
                             group = queue.popleft()
                             yield from (unstarted(group, i, now) for i in group.sample_indices())
                     ray.get([a.stop.options(concurrency_group=CONTROL).remote(generation) for a in self.actors])
-                ready, _ = ray.wait(list(streams), num_returns=1, timeout=None if should_stop is None or stopping else STOP_POLL_S)
+                ready, _ = ray.wait(
+                    list(streams), num_returns=1, timeout=None if should_stop is None or stopping else STOP_POLL_S
+                )
                 for stream in ready:
                     try:
                         batch = ray.get(next(stream))

@@ -30,8 +30,9 @@ from __future__ import annotations
 import itertools
 import os
 import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 from models.engine import ABORT, EngineInfo, GeneratedSample, GroupRequest, sample_seed, unstarted
 
@@ -110,7 +111,9 @@ class VLLMEngine:
 
     # -- the engine interface ------------------------------------------------------------------
 
-    def generate(self, groups: Iterable[GroupRequest], should_stop: Callable[[], bool] | None = None) -> Iterator[GeneratedSample]:
+    def generate(
+        self, groups: Iterable[GroupRequest], should_stop: Callable[[], bool] | None = None
+    ) -> Iterator[GeneratedSample]:
         """Groups are pulled only while fewer than ``max_batch`` samples are in flight, so a caller
         that stops feeding gets no more work started. Once ``should_stop()`` is True the requests in
         flight are aborted and yielded as partial samples; requests still running when the caller
@@ -203,11 +206,28 @@ class VLLMEngine:
         now = now or time.time()
         prefix = flight.prefix
         if prefix is None:
-            return GeneratedSample(flight.group.group_id, flight.sample_index, flight.group.prompt_token_ids, tokens, logprobs,
-                                   versions, reason, flight.started_at, now, now - flight.started_at)
+            return GeneratedSample(
+                flight.group.group_id,
+                flight.sample_index,
+                flight.group.prompt_token_ids,
+                tokens,
+                logprobs,
+                versions,
+                reason,
+                flight.started_at,
+                now,
+                now - flight.started_at,
+            )
         return GeneratedSample(
-            flight.group.group_id, flight.sample_index, flight.group.prompt_token_ids, list(prefix.token_ids) + tokens,
-            list(prefix.logprobs) + logprobs, list(prefix.token_policy_versions) + versions, reason, prefix.started_at, now,
+            flight.group.group_id,
+            flight.sample_index,
+            flight.group.prompt_token_ids,
+            list(prefix.token_ids) + tokens,
+            list(prefix.logprobs) + logprobs,
+            list(prefix.token_policy_versions) + versions,
+            reason,
+            prefix.started_at,
+            now,
             prefix.gen_s + now - flight.started_at,
         )
 
@@ -215,9 +235,18 @@ class VLLMEngine:
         """A stopped request as a partial sample: what its last output held (its prefix alone if none yet)."""
         if flight.last is None:
             base = unstarted(flight.group, flight.sample_index, now)
-            return GeneratedSample(base.group_id, base.sample_index, base.prompt_token_ids, list(base.token_ids), list(base.logprobs),
-                                   list(base.token_policy_versions), ABORT, base.started_at if flight.prefix else flight.started_at,
-                                   now, base.gen_s + now - flight.started_at)
+            return GeneratedSample(
+                base.group_id,
+                base.sample_index,
+                base.prompt_token_ids,
+                list(base.token_ids),
+                list(base.logprobs),
+                list(base.token_policy_versions),
+                ABORT,
+                base.started_at if flight.prefix else flight.started_at,
+                now,
+                base.gen_s + now - flight.started_at,
+            )
         return self._sample(flight.last, flight, ABORT, now)
 
 

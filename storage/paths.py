@@ -8,7 +8,7 @@ The storage root is any fsspec URI: a local directory (default ``./rlrounds-data
     <root>/runs/<run_id>/owners/<generation>.json               each resume's takeover (created exclusively)
     <root>/runs/<run_id>/rounds/<n>/stages/<stage>.json         a stage's result, written once its output is committed
     <root>/runs/<run_id>/rounds/<n>/staging/                    rollout output not yet committed (rows, carry-over)
-    <root>/runs/<run_id>/rounds/<n>/trajectories/<version>/     part-*.parquet, carryover.parquet + manifest.json (the commit)
+    <root>/runs/<run_id>/rounds/<n>/trajectories/<version>/     part-*.parquet, carryover.parquet; manifest.json commits
     <root>/runs/<run_id>/rounds/<n>/checkpoint/                 Hugging Face dir + lineage.json (written last)
     <root>/derived/<version>/                                   re-filtered versions
     <root>/replays/<replay_id>/checkpoint/                      checkpoints trained by `rlrounds replay`
@@ -37,7 +37,7 @@ class StorageRoot:
     uri: str
 
     @classmethod
-    def of(cls, uri: str) -> "StorageRoot":
+    def of(cls, uri: str) -> StorageRoot:
         if "://" not in uri:
             uri = os.path.abspath(os.path.expanduser(uri))
         return cls(uri.rstrip("/"))
@@ -68,12 +68,6 @@ class StorageRoot:
     def base_policy(self, name: str) -> str:
         return self.join("base", name)
 
-    def runs(self) -> str:
-        return self.join("runs")
-
-    def run(self, run_id: str) -> str:
-        return self.join("runs", run_id)
-
     def campaign_file(self, run_id: str) -> str:
         return self.join("runs", run_id, "campaign.json")
 
@@ -85,9 +79,6 @@ class StorageRoot:
 
     def stage_record(self, run_id: str, round_index: int, stage: str) -> str:
         return self.join("runs", run_id, "rounds", round_index, "stages", f"{stage}.json")
-
-    def round_dir(self, run_id: str, round_index: int) -> str:
-        return self.join("runs", run_id, "rounds", round_index)
 
     def staging(self, run_id: str, round_index: int) -> str:
         return self.join("runs", run_id, "rounds", round_index, "staging")
@@ -149,11 +140,6 @@ class StorageRoot:
 
 def manifest_of(version_dir: str) -> str:
     return posixpath.join(version_dir, MANIFEST)
-
-
-def manifest_partial_of(version_dir: str) -> str:
-    """Where a local manifest is written before it is renamed into place (the rename is the commit)."""
-    return posixpath.join(version_dir, MANIFEST + ".partial")
 
 
 def lineage_of(checkpoint_dir: str) -> str:

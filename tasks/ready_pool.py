@@ -35,9 +35,10 @@ from __future__ import annotations
 import concurrent.futures
 import time
 from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 from models.engine import GeneratedSample, GroupRequest, unstarted
 
@@ -90,10 +91,14 @@ class Group:
 
     def resume_request(self) -> GroupRequest | None:
         """The engine request for this group's unfinished samples, or None when all are finished."""
-        todo = [s.carried_partial or unstarted(self.request, s.index, time.time()) for s in self.slots if not s.finished]
+        todo = [
+            s.carried_partial or unstarted(self.request, s.index, time.time()) for s in self.slots if not s.finished
+        ]
         if not todo:
             return None
-        return GroupRequest(self.request.group_id, self.request.prompt_token_ids, self.request.n, self.request.sampling, tuple(todo))
+        return GroupRequest(
+            self.request.group_id, self.request.prompt_token_ids, self.request.n, self.request.sampling, tuple(todo)
+        )
 
 
 @dataclass(frozen=True)
@@ -118,9 +123,15 @@ class Harvest:
 
 
 class ReadyPool:
-    def __init__(self, submit: Callable[[str, str], Future], decode: Callable[[list[int]], str],
-                 is_trainable: Callable[[list[Any]], bool], target_groups: int, limits: PoolLimits = PoolLimits(),
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        submit: Callable[[str, str], Future],
+        decode: Callable[[list[int]], str],
+        is_trainable: Callable[[list[Any]], bool],
+        target_groups: int,
+        limits: PoolLimits = PoolLimits(),
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self._submit, self._decode, self._is_trainable = submit, decode, is_trainable
         self.target = target_groups
         self.limits = limits
@@ -219,8 +230,15 @@ class ReadyPool:
             for slot in group.slots:
                 if slot.verdict is None:
                     slot.verified_at = None
-        return Harvest(ready, carry, self.trainable, self.batch_ready_at, self.stopped_at, len(self._outstanding),
-                       not self._patient)
+        return Harvest(
+            ready,
+            carry,
+            self.trainable,
+            self.batch_ready_at,
+            self.stopped_at,
+            len(self._outstanding),
+            not self._patient,
+        )
 
     # -- internals ---------------------------------------------------------------------------------
 
@@ -267,5 +285,7 @@ class ReadyPool:
             if left <= 0 or not self._outstanding:
                 self._patient = False
                 return
-            concurrent.futures.wait(list(self._outstanding), timeout=left, return_when=concurrent.futures.FIRST_COMPLETED)
+            concurrent.futures.wait(
+                list(self._outstanding), timeout=left, return_when=concurrent.futures.FIRST_COMPLETED
+            )
             self._collect()

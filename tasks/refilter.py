@@ -13,17 +13,17 @@ the same parent and predicate always give the same version, and running it again
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from tasks.config_base import Config
 from tasks.filter import FilterConfig, apply_decisions, decide, filter_stats
+from tasks.results import TrajectoryVersion
 
 DERIVED_KIND = "derived"
 
 
-class RefilterRequest(BaseModel):
+class RefilterRequest(Config):
     """Which version to re-filter, and how."""
-
-    model_config = ConfigDict(extra="forbid")
 
     version: str
     """Trajectory version id (or a unique prefix of at least 6 characters) to select rows from."""
@@ -51,7 +51,7 @@ def recorded_filter(chain) -> FilterConfig:
 
 # -- the stage ------------------------------------------------------------------------------------
 
-def run_refilter(storage: str, request: RefilterRequest) -> dict:
+def run_refilter(*, storage: str, request: RefilterRequest) -> TrajectoryVersion:
     """Select, optionally regroup, and commit the derived version; returns its id, URI and statistics."""
     from storage.paths import StorageRoot
     from storage.query import select_rows
@@ -80,10 +80,4 @@ def run_refilter(storage: str, request: RefilterRequest) -> dict:
     }
     manifest = write_version(root, root.derived_version, selected, meta)
     stats = filter_stats(selected.select(["group_id", "kept", "drop_reason"]).to_pylist())
-    return {"version": manifest.version, "uri": manifest.directory, "parent": parent.version, "stats": stats}
-
-
-from prefect import task  # noqa: E402 -- the thin Prefect wrapper stays at the bottom
-from prefect.cache_policies import NO_CACHE  # noqa: E402
-
-refilter_task = task(name="refilter", cache_policy=NO_CACHE)(run_refilter)
+    return TrajectoryVersion(version=manifest.version, uri=manifest.directory, parent=parent.version, stats=stats)

@@ -18,24 +18,29 @@ import statistics
 import threading
 import time
 from collections import Counter
-from datetime import datetime, timezone
-from typing import Literal
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from models.addition import Prompt
 from models.engine import GeneratedSample, GroupRequest, SamplingParams
+from tasks.config_base import Config
+from tasks.context import RoundContext
 from tasks.filter import FilterConfig, group_is_trainable
 from tasks.prompts import PromptError, PromptsConfig, prompt_stream
 from tasks.ready_pool import PARTIAL, VERIFIED, Group, Harvest, PoolLimits, ReadyPool, Slot
-from tasks.verify import (VERIFIER_VERSIONS, Outcome, Verdict, VerifierPool, VerifyConfig, check_infra_failure_rate,
-                          get_verifier)
+from tasks.results import NotInput, Staged
+from tasks.verifiers.config import VerifyConfig
+from tasks.verifiers.outcome import Outcome, Verdict
+from tasks.verifiers.pool import VerifierPool, check_infra_failure_rate
+from tasks.verifiers.registry import get_verifier, verifier_version
 
 
-class RolloutConfig(BaseModel):
+class RolloutConfig(Config):
     """How samples are generated."""
-
-    model_config = ConfigDict(extra="forbid")
 
     engine: Literal["embedded", "vllm"] = "embedded"
     """Rollout engine: 'embedded' (torch in this process, any Hugging Face causal LM) or 'vllm'
@@ -71,16 +76,15 @@ class RolloutConfig(BaseModel):
     answers within it makes the round's stop point, and so its rows, reproducible; 0 never waits."""
 
     @model_validator(mode="after")
-    def _dtype_known(self) -> "RolloutConfig":
+    def _dtype_known(self) -> RolloutConfig:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"rollout.dtype {self.dtype!r} is unknown; use float32, bfloat16 or float16")
         return self
 
 
-class RolloutResult(BaseModel):
+@dataclass
+class RolloutResult:
     """The samples of ready groups in the order their groups finished, the carry-over, and the figures."""
-
-    model_config = ConfigDict(arbitrary_types_allowed=True)
 
     rows: list[dict]
     carry_rows: list[dict]
@@ -88,16 +92,28 @@ class RolloutResult(BaseModel):
 
 
 def _utc(t: float | None) -> datetime | None:
-    return None if t is None else datetime.fromtimestamp(t, tz=timezone.utc)
+    return None if t is None else datetime.fromtimestamp(t, tz=UTC)
 
 
 def _epoch(t: datetime | None) -> float | None:
     return None if t is None else t.timestamp()
 
 
-def generate_and_verify(engine, tokenizer, prompts: PromptsConfig, rollout: RolloutConfig, verify: VerifyConfig,
-                        filtering: FilterConfig, target_groups: int, seed: int, run_id: str, round_index: int,
-                        progress=None, max_context: int | None = None, carried_rows: list[dict] | None = None) -> RolloutResult:
+def generate_and_verify(
+    engine,
+    tokenizer,
+    prompts: PromptsConfig,
+    rollout: RolloutConfig,
+    verify: VerifyConfig,
+    filtering: FilterConfig,
+    target_groups: int,
+    seed: int,
+    run_id: str,
+    round_index: int,
+    progress=None,
+    max_context: int | None = None,
+    carried_rows: list[dict] | None = None,
+) -> RolloutResult:
     """One round's collection. ``carried_rows``: the previous round's carry-over, resumed first.
 
     ``max_context``: the model's positions; a prompt that cannot fit with rollout.max_tokens is an
@@ -113,7 +129,9 @@ def generate_and_verify(engine, tokenizer, prompts: PromptsConfig, rollout: Roll
             prompt = next(stream)
             ids = tuple(tokenizer(prompt.text)["input_ids"])
             if max_context is not None and len(ids) + rollout.max_tokens > max_context:
-                raise PromptError(context_overflow(prompts.source, prompt.prompt_id, len(ids), rollout.max_tokens, max_context))
+                raise PromptError(
+                    context_overflow(prompts.source, prompt.prompt_id, len(ids), rollout.max_tokens, max_context)
+                )
             request = GroupRequest(f"r{round_index}-g{index:06d}", ids, rollout.samples_per_prompt, sampling)
             yield Group(request, prompt.reference, prompt, time.time())
 
@@ -123,16 +141,25 @@ def generate_and_verify(engine, tokenizer, prompts: PromptsConfig, rollout: Roll
     def decode(token_ids: list[int]) -> str:
         return tokenizer.decode(token_ids, skip_special_tokens=True)
 
-    verifiers = VerifierPool(get_verifier(verifier_name), verify.workers, verify.infra_retries, verify.infra_retry_budget,
-                             verify.timeout_s)
-    limits = PoolLimits(max_outstanding=2 * verify.workers, verdict_wait_s=rollout.verdict_wait_s,
-                        stop_in_flight=rollout.partial_rollouts)
+    verifiers = VerifierPool(
+        get_verifier(verifier_name, verify),
+        verify.workers,
+        verify.infra_retries,
+        verify.infra_retry_budget,
+        verify.timeout_s,
+    )
+    limits = PoolLimits(
+        max_outstanding=2 * verify.workers,
+        verdict_wait_s=rollout.verdict_wait_s,
+        stop_in_flight=rollout.partial_rollouts,
+    )
     pool = ReadyPool(verifiers.submit, decode, trainable, target_groups, limits)
     harvest: Harvest | None = None
     try:
         pool.carry_in(carried)
         seen = 0
-        for sample in engine.generate(pool.feed(fresh(), int(target_groups * rollout.max_prompts_factor)), pool.should_stop):
+        requests = pool.feed(fresh(), int(target_groups * rollout.max_prompts_factor))
+        for sample in engine.generate(requests, pool.should_stop):
             pool.on_sample(sample)
             seen += 1
             if progress and seen % 2048 == 0:
@@ -147,8 +174,12 @@ def generate_and_verify(engine, tokenizer, prompts: PromptsConfig, rollout: Roll
             verifiers.close()
     end = time.time()
     info = engine.info
-    context = {"run_id": run_id, "round": round_index, "engine": {"name": info.name, "version": info.version, "dtype": info.dtype},
-               "verifier": {"name": verifier_name, "version": VERIFIER_VERSIONS.get(verifier_name, "unknown")}}
+    context = {
+        "run_id": run_id,
+        "round": round_index,
+        "engine": {"name": info.name, "version": info.version, "dtype": info.dtype},
+        "verifier": {"name": verifier_name, "version": verifier_version(verifier_name)},
+    }
     rows = [sample_row(g, slot, context) for g in harvest.ready for slot in g.slots]
     carry_rows = [sample_row(g, slot, context) for g in harvest.carry for slot in g.slots]
     stats = {**rollout_stats(rows, carry_rows, harvest, carried, target_groups, start, end), **verifiers.stats()}
@@ -207,20 +238,37 @@ def groups_from_carry(rows: list[dict]) -> list[Group]:
         members.sort(key=lambda r: r["sample_index"])
         first = members[0]
         sp = first["sampling"]
-        request = GroupRequest(group_id, tuple(first["prompt_token_ids"]), len(members),
-                               SamplingParams(sp["temperature"], sp["top_p"], sp["max_tokens"], sp["seed"]))
-        prompt = Prompt(prompt_id=first["prompt_id"], task=first["task"], text=first["prompt_text"], reference=first["reference"])
+        request = GroupRequest(
+            group_id,
+            tuple(first["prompt_token_ids"]),
+            len(members),
+            SamplingParams(sp["temperature"], sp["top_p"], sp["max_tokens"], sp["seed"]),
+        )
+        prompt = Prompt(
+            prompt_id=first["prompt_id"], task=first["task"], text=first["prompt_text"], reference=first["reference"]
+        )
         slots = []
         for row in members:
-            sample = GeneratedSample(group_id, row["sample_index"], request.prompt_token_ids, list(row["completion_token_ids"]),
-                                     list(row["rollout_logprobs"]), list(row["token_policy_versions"]), row["finish_reason"],
-                                     _epoch(row["started_at"]), _epoch(row["finished_at"]), row["gen_latency_s"] or 0.0)
+            sample = GeneratedSample(
+                group_id,
+                row["sample_index"],
+                request.prompt_token_ids,
+                list(row["completion_token_ids"]),
+                list(row["rollout_logprobs"]),
+                list(row["token_policy_versions"]),
+                row["finish_reason"],
+                _epoch(row["started_at"]),
+                _epoch(row["finished_at"]),
+                row["gen_latency_s"] or 0.0,
+            )
             if row["carry_state"] == PARTIAL:
                 slots.append(Slot(row["sample_index"], carried_partial=sample))
                 continue
             slot = Slot(row["sample_index"], sample=sample, text=row["completion_text"])
             if row["carry_state"] == VERIFIED:
-                slot.verdict = Verdict(row["reward"], Outcome(row["outcome"]), row["verify_error"], row["verify_latency_s"] or 0.0)
+                slot.verdict = Verdict(
+                    row["reward"], Outcome(row["outcome"]), row["verify_error"], row["verify_latency_s"] or 0.0
+                )
                 slot.verified_at = _epoch(row["verified_at"])
             slots.append(slot)
         groups.append(Group(request, prompt.reference, prompt, _epoch(first["enqueued_at"]), slots))
@@ -228,9 +276,11 @@ def groups_from_carry(rows: list[dict]) -> list[Group]:
 
 
 def context_overflow(source: str, prompt_id: str, prompt_tokens: int, max_tokens: int, max_context: int) -> str:
-    return (f"prompt {prompt_id} of {source} is {prompt_tokens} tokens; with rollout.max_tokens={max_tokens} it needs "
-            f"{prompt_tokens + max_tokens} positions but the model has {max_context}; shorten or drop the prompt, "
-            f"lower rollout.max_tokens, or use a model with a longer context")
+    return (
+        f"prompt {prompt_id} of {source} is {prompt_tokens} tokens; with rollout.max_tokens={max_tokens} it needs "
+        f"{prompt_tokens + max_tokens} positions but the model has {max_context}; shorten or drop the prompt, "
+        f"lower rollout.max_tokens, or use a model with a longer context"
+    )
 
 
 def quantiles(values: list[float], prefix: str) -> dict[str, float]:
@@ -240,11 +290,23 @@ def quantiles(values: list[float], prefix: str) -> dict[str, float]:
     def rank(q: float) -> float:
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
-    return {f"{prefix}_p50_s": rank(0.5), f"{prefix}_p90_s": rank(0.9), f"{prefix}_p99_s": rank(0.99), f"{prefix}_max_s": ordered[-1]}
+    return {
+        f"{prefix}_p50_s": rank(0.5),
+        f"{prefix}_p90_s": rank(0.9),
+        f"{prefix}_p99_s": rank(0.99),
+        f"{prefix}_max_s": ordered[-1],
+    }
 
 
-def rollout_stats(rows: list[dict], carry_rows: list[dict], harvest: Harvest, carried: list[Group], target_groups: int,
-                  start: float, end: float) -> dict[str, float]:
+def rollout_stats(
+    rows: list[dict],
+    carry_rows: list[dict],
+    harvest: Harvest,
+    carried: list[Group],
+    target_groups: int,
+    start: float,
+    end: float,
+) -> dict[str, float]:
     outcomes = Counter(r["outcome"] for r in rows)
     tokens = sum(len(r["completion_token_ids"]) for r in rows)
     rewards = [r["reward"] for r in rows if r["reward"] is not None]
@@ -291,37 +353,83 @@ def rollout_stats(rows: list[dict], carry_rows: list[dict], harvest: Harvest, ca
 
 # -- the stage ------------------------------------------------------------------------------------
 
-def run_rollout(ctx, prompts: PromptsConfig, rollout: RolloutConfig, verify: VerifyConfig, filtering: FilterConfig,
-                target_groups: int, progress=None) -> dict:
-    """Generate and verify this round's samples from the parent checkpoint; stage them as Parquet."""
+
+def carry_source(storage: str, run_id: str, round_index: int) -> str | None:
+    """The trajectory version whose carry-over round ``round_index`` resumes: the previous round's
+    committed version (its URI), or None for the first round."""
+    from storage.paths import StorageRoot
+    from storage.trajectories import committed_round_version
+
+    if round_index <= 1:
+        return None
+    previous = committed_round_version(StorageRoot.of(storage), run_id, round_index - 1)
+    return None if previous is None else previous.directory
+
+
+def run_rollout(
+    *,
+    ctx: RoundContext,
+    prompts: PromptsConfig,
+    rollout: RolloutConfig,
+    verify: VerifyConfig,
+    filtering: FilterConfig,
+    target_groups: int,
+    carry_from: str | None = None,
+    progress: Annotated[Callable[[str], None] | None, NotInput("a progress callback")] = None,
+) -> Staged:
+    """Generate and verify this round's samples from the parent checkpoint; stage them as Parquet.
+
+    ``carry_from``: the committed trajectory version (URI) whose carry-over this round resumes first,
+    the previous round's (``carry_source``); None resumes nothing. The round's own unfinished samples
+    are staged beside its rows (``Staged.carryover``) for filter to commit with its version."""
     from models.policy import context_length
     from storage import checkpoints
     from storage.paths import StorageRoot
-    from storage.trajectories import carry_table, committed_round_version, read_carryover, rows_to_table, table_bytes
+    from storage.trajectories import (
+        carry_table,
+        committed_round_version,
+        read_carryover,
+        read_manifest,
+        rows_to_table,
+        table_bytes,
+    )
     from tasks.engines import Placement, serving_engine
 
     root = StorageRoot.of(ctx.storage)
     committed = committed_round_version(root, ctx.run_id, ctx.round)
     if committed is not None:  # resumed after filter committed this round: generating again could only differ
-        return {"staging": None, "stats": committed.body.get("rollout_stats", {}), "resumed": True}
-    previous = committed_round_version(root, ctx.run_id, ctx.round - 1) if ctx.round > 1 else None
-    carried = read_carryover(root, previous) if previous is not None else []
+        return Staged(staging=None, stats=committed.body.get("rollout_stats", {}), resumed=True)
+    carried = read_carryover(root, read_manifest(root, carry_from)) if carry_from is not None else []
     local = checkpoints.local_copy(root, ctx.parent_checkpoint)
-    engine, tokenizer, _ = serving_engine(rollout.engine, local, rollout.dtype, ctx.parent_policy_version, rollout.max_batch,
-                                          Placement(rollout.replicas, rollout.ray_address))
-    result = generate_and_verify(engine, tokenizer, prompts, rollout, verify, filtering, target_groups,
-                                 ctx.stage_seed("rollout"), ctx.run_id, ctx.round, progress, context_length(local), carried)
+    engine, tokenizer, _ = serving_engine(
+        rollout.engine,
+        local,
+        rollout.dtype,
+        ctx.parent_policy_version,
+        rollout.max_batch,
+        Placement(rollout.replicas, rollout.ray_address),
+    )
+    result = generate_and_verify(
+        engine,
+        tokenizer,
+        prompts,
+        rollout,
+        verify,
+        filtering,
+        target_groups,
+        ctx.stage_seed("rollout"),
+        ctx.run_id,
+        ctx.round,
+        progress,
+        context_length(local),
+        carried,
+    )
     check_infra_failure_rate(result.stats, verify.max_infra_failure_rate, ctx.round)  # before anything is staged
     staging = root.rollout_staging_file(ctx.run_id, ctx.round)
+    carryover = root.carryover_staging_file(ctx.run_id, ctx.round)
     root.fs.makedirs(root.staging(ctx.run_id, ctx.round), exist_ok=True)
-    with root.fs.open(root.carryover_staging_file(ctx.run_id, ctx.round), "wb") as f:  # filter commits it with the rows
+    with root.fs.open(carryover, "wb") as f:  # filter commits it with the rows
         f.write(table_bytes(carry_table(result.carry_rows)))
     with root.fs.open(staging, "wb") as f:
         f.write(table_bytes(rows_to_table(result.rows)))
-    return {"staging": staging, "stats": result.stats, "resumed": False}
-
-
-from prefect import task  # noqa: E402 -- the thin Prefect wrapper stays at the bottom
-from prefect.cache_policies import NO_CACHE  # noqa: E402
-
-rollout_task = task(name="rollout", cache_policy=NO_CACHE)(run_rollout)
+    return Staged(staging=staging, carryover=carryover, stats=result.stats)

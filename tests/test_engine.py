@@ -22,11 +22,16 @@ def _requests(tokenizer, n, params, prefix="g"):
 def test_greedy_matches_transformers_generate(policy):
     model, tok = policy
     engine = EmbeddedEngine(model, tok.eos_token_id, tok.pad_token_id, max_batch=2)  # forces refills
-    got = {s.group_id: s.token_ids for s in engine.generate(_requests(tok, 1, SamplingParams(temperature=0.0, max_tokens=6)))}
+    got = {
+        s.group_id: s.token_ids
+        for s in engine.generate(_requests(tok, 1, SamplingParams(temperature=0.0, max_tokens=6)))
+    }
     enc = tok(PROMPTS, padding=True, return_tensors="pt")
-    out = model.generate(**enc, max_new_tokens=6, do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    out = model.generate(
+        **enc, max_new_tokens=6, do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id
+    )
     for i in range(len(PROMPTS)):
-        expected = out[i, enc["input_ids"].shape[1]:].tolist()
+        expected = out[i, enc["input_ids"].shape[1] :].tolist()
         if tok.eos_token_id in expected:
             expected = expected[: expected.index(tok.eos_token_id) + 1]
         else:
@@ -49,7 +54,9 @@ def test_behaviour_logprobs_match_the_trainer(policy):
     model, tok = policy
     engine = EmbeddedEngine(model, tok.eos_token_id, tok.pad_token_id, max_batch=8)
     samples = list(engine.generate(_requests(tok, 3, SamplingParams(temperature=0.7, max_tokens=8, seed=1))))
-    batch = pack_sequences([list(s.prompt_token_ids) for s in samples], [s.token_ids for s in samples], tok.pad_token_id)
+    batch = pack_sequences(
+        [list(s.prompt_token_ids) for s in samples], [s.token_ids for s in samples], tok.pad_token_id
+    )
     with torch.no_grad():
         trainer = token_logprobs(model, batch, temperature=0.7)
     width = batch.input_ids.shape[1] - max(len(s.token_ids) for s in samples)
@@ -72,7 +79,9 @@ def test_finish_reasons_and_policy_versions(policy):
 def test_ignore_eos_generates_exactly_max_tokens(policy):
     model, tok = policy
     engine = EmbeddedEngine(model, tok.eos_token_id, tok.pad_token_id)
-    samples = list(engine.generate(_requests(tok, 2, SamplingParams(temperature=1.0, max_tokens=5, seed=3, ignore_eos=True))))
+    samples = list(
+        engine.generate(_requests(tok, 2, SamplingParams(temperature=1.0, max_tokens=5, seed=3, ignore_eos=True)))
+    )
     assert all(len(s.token_ids) == 5 and tok.eos_token_id not in s.token_ids for s in samples)
 
 
@@ -80,8 +89,14 @@ def test_top_p_keeps_only_the_nucleus(policy):
     model, tok = policy
     engine = EmbeddedEngine(model, tok.eos_token_id, tok.pad_token_id)
     # top_p tiny: only the most likely token survives, so sampling equals greedy
-    tiny = {s.group_id: s.token_ids for s in engine.generate(_requests(tok, 1, SamplingParams(temperature=1.0, top_p=1e-6, max_tokens=5, seed=4)))}
-    greedy = {s.group_id: s.token_ids for s in engine.generate(_requests(tok, 1, SamplingParams(temperature=0.0, max_tokens=5)))}
+    tiny = {
+        s.group_id: s.token_ids
+        for s in engine.generate(_requests(tok, 1, SamplingParams(temperature=1.0, top_p=1e-6, max_tokens=5, seed=4)))
+    }
+    greedy = {
+        s.group_id: s.token_ids
+        for s in engine.generate(_requests(tok, 1, SamplingParams(temperature=0.0, max_tokens=5)))
+    }
     assert tiny == greedy
 
 
@@ -97,6 +112,25 @@ def test_sampling_follows_the_softmax():
     stderr = (probs * (1 - probs) / 4000).sqrt()
     assert ((freq - probs).abs() < 3 * stderr + 1e-3).all(), freq
     assert torch.allclose(logprobs, probs.log()[tokens])
+
+
+def test_a_flow_releases_the_serving_engines_it_built_and_only_those(tiny_policy_dir, monkeypatch):
+    """A campaign's engine must not outlive it in a long-lived worker; an outer flow's engine stays."""
+    from tasks import engines
+
+    closed = []
+    close = engines.close_engine
+    monkeypatch.setattr(engines, "close_engine", lambda engine: (closed.append(engine), close(engine)))
+    outer, _, _ = engines.serving_engine("embedded", tiny_policy_dir, "float32", 0)
+    with engines.released_engines():
+        reused, _, _ = engines.serving_engine("embedded", tiny_policy_dir, "float32", 0)
+        built, _, _ = engines.serving_engine("embedded", tiny_policy_dir, "bfloat16", 0)
+    assert reused is outer and closed == [built]
+    again, _, _ = engines.serving_engine("embedded", tiny_policy_dir, "float32", 0)
+    assert again is outer  # live on entry: still live
+    with engines.released_engines():
+        rebuilt, _, _ = engines.serving_engine("embedded", tiny_policy_dir, "bfloat16", 0)
+    assert rebuilt is not built and closed == [built, rebuilt]  # the released one was gone: a fresh one was built
 
 
 # -- partial rollouts: stop mid-generation, load new weights, resume ---------------------------------
@@ -132,7 +166,8 @@ def test_stopped_samples_come_back_partial_and_resume_under_new_weights(policy, 
     params = SamplingParams(temperature=1.0, max_tokens=12, seed=9, ignore_eos=True)  # every sample runs 12 tokens
     import copy
 
-    engine = EmbeddedEngine(copy.deepcopy(model), tok.eos_token_id, tok.pad_token_id, max_batch=3)  # 1 sample waits; weights change below
+    # 1 sample waits; weights change below
+    engine = EmbeddedEngine(copy.deepcopy(model), tok.eos_token_id, tok.pad_token_id, max_batch=3)
     steps = 0
 
     def stop_after_five_steps() -> bool:
@@ -142,7 +177,8 @@ def test_stopped_samples_come_back_partial_and_resume_under_new_weights(policy, 
 
     requests = _requests(tok, 2, params)[:2]
     first = list(engine.generate(requests, stop_after_five_steps))
-    assert len(first) == 4 and all(s.partial and s.finish_reason == "abort" for s in first)  # 2 groups x 2 samples, all back
+    # 2 groups x 2 samples, all back
+    assert len(first) == 4 and all(s.partial and s.finish_reason == "abort" for s in first)
     assert sorted(len(s.token_ids) for s in first) == [0, 5, 5, 5]  # 3 admitted ran 5 steps; 1 never started
     for s in first:
         assert s.token_policy_versions == [0] * len(s.token_ids) and len(s.logprobs) == len(s.token_ids)
@@ -150,15 +186,20 @@ def test_stopped_samples_come_back_partial_and_resume_under_new_weights(policy, 
     newer = _perturbed(model)
     save_policy(newer, tok, str(tmp_path))
     engine.load_weights(str(tmp_path), policy_version=1)
-    resumed_requests = [GroupRequest(r.group_id, r.prompt_token_ids, r.n, r.sampling, tuple(s for s in first if s.group_id == r.group_id))
-                        for r in requests]
+    resumed_requests = [
+        GroupRequest(
+            r.group_id, r.prompt_token_ids, r.n, r.sampling, tuple(s for s in first if s.group_id == r.group_id)
+        )
+        for r in requests
+    ]
     second = {(s.group_id, s.sample_index): s for s in engine.generate(resumed_requests)}
     assert len(second) == 4
     for before in first:
         after = second[(before.group_id, before.sample_index)]
         k = len(before.token_ids)
         assert after.finish_reason == "length" and len(after.token_ids) == 12
-        assert after.token_ids[:k] == before.token_ids and after.logprobs[:k] == before.logprobs  # the prefix is kept as it was
+        # the prefix is kept as it was
+        assert after.token_ids[:k] == before.token_ids and after.logprobs[:k] == before.logprobs
         assert after.token_policy_versions == [0] * k + [1] * (12 - k)  # versions change at the stop position
         assert after.started_at == before.started_at and after.gen_s >= before.gen_s
         # Each token's behaviour logprob is the one its version gives it, teacher-forced over the whole sample.
@@ -186,8 +227,13 @@ def test_a_resumed_sample_is_reproducible_and_equals_an_uninterrupted_one_under_
     finished = {(s.group_id, s.sample_index): s for s in parts if not s.partial}
     partial = [s for s in parts if s.partial]
     assert partial and all(len(s.token_ids) == 3 for s in partial)
-    resume = [GroupRequest(r.group_id, r.prompt_token_ids, r.n, r.sampling, tuple(s for s in partial if s.group_id == r.group_id))
-              for r in requests if any(s.group_id == r.group_id for s in partial)]
+    resume = [
+        GroupRequest(
+            r.group_id, r.prompt_token_ids, r.n, r.sampling, tuple(s for s in partial if s.group_id == r.group_id)
+        )
+        for r in requests
+        if any(s.group_id == r.group_id for s in partial)
+    ]
     for _ in range(2):  # twice: the continuation is a function of (sample seed, position), nothing else
         done = {**finished, **{(s.group_id, s.sample_index): s for s in engine.generate(resume)}}
         assert {k: s.token_ids for k, s in done.items()} == {k: s.token_ids for k, s in whole.items()}

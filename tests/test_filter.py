@@ -29,7 +29,10 @@ def test_group_advantages_by_hand():
 
 def _rows(group, rewards, outcomes=None):
     outcomes = outcomes or ["success" if r == 1.0 else "model_failure" for r in rewards]
-    return [{"group_id": group, "sample_index": i, "reward": r, "outcome": o} for i, (r, o) in enumerate(zip(rewards, outcomes))]
+    return [
+        {"group_id": group, "sample_index": i, "reward": r, "outcome": o}
+        for i, (r, o) in enumerate(zip(rewards, outcomes))
+    ]
 
 
 def test_zero_variance_groups_are_dropped_with_reason():
@@ -59,16 +62,29 @@ def test_only_the_first_target_groups_are_kept():
     assert by_group == {("a", True, None), ("b", False, DROP_ZERO_VARIANCE), ("c", False, DROP_OVERFLOW)}
 
 
-@pytest.mark.parametrize("lengths, kept, expected", [
-    # no bias: every length kept as often as generated
-    ([1, 2, 3, 4], [True, True, True, True], {"filter/length_bias": 1.0, "filter/length_q4_kept_share": 0.25}),
-    # only short completions kept: the longest quartile is generated but never trained on
-    ([1, 2, 3, 4], [True, True, False, False], {"filter/length_q4_generated_share": 0.25, "filter/length_q4_kept_share": 0.0,
-                                                "filter/length_bias": 1.5 / 2.5}),
-    # repeated lengths: fewer buckets, none empty
-    ([3, 3, 3, 4], [True, False, True, True], {"filter/length_q1_max_tokens": 3, "filter/length_q2_max_tokens": 4,
-                                               "filter/length_q2_kept_share": 1 / 3}),
-])
+@pytest.mark.parametrize(
+    "lengths, kept, expected",
+    [
+        # no bias: every length kept as often as generated
+        ([1, 2, 3, 4], [True, True, True, True], {"filter/length_bias": 1.0, "filter/length_q4_kept_share": 0.25}),
+        # only short completions kept: the longest quartile is generated but never trained on
+        (
+            [1, 2, 3, 4],
+            [True, True, False, False],
+            {
+                "filter/length_q4_generated_share": 0.25,
+                "filter/length_q4_kept_share": 0.0,
+                "filter/length_bias": 1.5 / 2.5,
+            },
+        ),
+        # repeated lengths: fewer buckets, none empty
+        (
+            [3, 3, 3, 4],
+            [True, False, True, True],
+            {"filter/length_q1_max_tokens": 3, "filter/length_q2_max_tokens": 4, "filter/length_q2_kept_share": 1 / 3},
+        ),
+    ],
+)
 def test_length_bias(lengths, kept, expected):
     from tasks.filter import length_bias
 

@@ -47,7 +47,9 @@ def campaigns(prefect_harness, weak_base, tmp_path_factory):  # noqa: F811 -- th
 
     home = tmp_path_factory.mktemp("partial")
     config_path = home / "campaign.yaml"
-    config_path.write_text(yaml.safe_dump({**CONFIG, "round": {**CONFIG["round"], "policy": {"base_model": weak_base}}}))
+    config_path.write_text(
+        yaml.safe_dump({**CONFIG, "round": {**CONFIG["round"], "policy": {"base_model": weak_base}}})
+    )
     reference, crashed = Campaign(str(home / "reference")), Campaign(str(home / "crashed"))
     reference.run("--config", str(config_path), "--run-id", "partial")
     crashed.run("--config", str(config_path), "--run-id", "partial", crash_after=KILL_POINTS[0], expect_crash=True)
@@ -62,12 +64,14 @@ def test_a_round_killed_after_its_carry_over_was_committed_resumes_to_the_same_r
     reference, crashed = campaigns
     ref, got = _rounds(reference), _rounds(crashed)
     rows1, carry1, _ = ref[1]
-    assert any(r["carry_state"] == "partial" and r["completion_token_ids"] for r in carry1)  # round 1 did stop stragglers
+    # round 1 did stop stragglers
+    assert any(r["carry_state"] == "partial" and r["completion_token_ids"] for r in carry1)
     spanning = [r for r in ref[2][0] if set(r["token_policy_versions"]) == {0, 1}]
     assert spanning and all(r["group_id"].startswith("r1-") and r["round"] == 2 for r in spanning)
     carried = {(r["group_id"], r["sample_index"]) for r in carry1}
     assert carried.isdisjoint((r["group_id"], r["sample_index"]) for r in rows1)
-    assert carried <= {(r["group_id"], r["sample_index"]) for r in ref[2][0] + ref[2][1]}  # finished in round 2, or carried on
+    # finished in round 2, or carried on
+    assert carried <= {(r["group_id"], r["sample_index"]) for r in ref[2][0] + ref[2][1]}
     for k in (1, 2):
         assert got[k][0] == ref[k][0] and got[k][1] == ref[k][1]  # the same rows and carry-over, none twice
         assert len(os.listdir(StorageRoot.of(crashed).round_trajectories("partial", k))) == 1
@@ -84,7 +88,9 @@ def test_replaying_a_round_whose_rows_span_two_policy_versions_reproduces_its_we
     kept = [r for r in rows if r["kept"]]
     assert any(len(set(r["token_policy_versions"])) > 1 for r in kept)  # training did see tokens of two versions
     round_config = CampaignConfig.model_validate(CONFIG).round
-    request = ReplayRequest(trajectories=manifest.version, from_model="partial-policy/2", config=round_config, evaluate=False)
+    request = ReplayRequest(
+        trajectories=manifest.version, from_model="partial-policy/2", config=round_config, evaluate=False
+    )
     result = rl_replay(request, storage=reference)
     original = os.path.join(StorageRoot.of(reference).checkpoint("partial", 2), "model.safetensors")
     replayed = os.path.join(result["checkpoint"], "model.safetensors")

@@ -17,7 +17,7 @@ from storage.trajectories import carry_table, rows_to_table, table_bytes
 from tasks.filter import FilterConfig
 from tasks.prompts import PromptsConfig
 from tasks.rollout import RolloutConfig, generate_and_verify
-from tasks.verify import VerifyConfig
+from tasks.verifiers.config import VerifyConfig
 
 # A random policy scores 0 everywhere; keeping zero-variance groups makes every complete group trainable.
 FILTER = FilterConfig(drop_zero_variance=False)
@@ -25,8 +25,19 @@ ROLLOUT = RolloutConfig(samples_per_prompt=4, max_tokens=10, max_batch=16)
 
 
 def _round(engine, tok, round_index, carried=None, rollout=ROLLOUT):
-    return generate_and_verify(engine, tok, PromptsConfig(), rollout, VerifyConfig(), FILTER, target_groups=3,
-                               seed=100 + round_index, run_id="t", round_index=round_index, carried_rows=carried)
+    return generate_and_verify(
+        engine,
+        tok,
+        PromptsConfig(),
+        rollout,
+        VerifyConfig(),
+        FILTER,
+        target_groups=3,
+        seed=100 + round_index,
+        run_id="t",
+        round_index=round_index,
+        carried_rows=carried,
+    )
 
 
 def _through_parquet(rows):
@@ -53,14 +64,23 @@ def test_a_full_batch_stops_its_stragglers_and_carries_them(rounds):
     first, _ = rounds
     s = first.stats
     assert s["rollout/groups_trainable"] >= 3 and s["rollout/carried_out_partial_samples"] > 0
-    assert s["rollout/carried_out_tokens"] == sum(len(r["completion_token_ids"]) for r in first.carry_rows if r["carry_state"] == "partial")
+    assert s["rollout/carried_out_tokens"] == sum(
+        len(r["completion_token_ids"]) for r in first.carry_rows if r["carry_state"] == "partial"
+    )
     for r in first.carry_rows:
         if r["carry_state"] == "partial":
-            assert r["finish_reason"] == "abort" and r["reward"] is None and len(r["completion_token_ids"]) < ROLLOUT.max_tokens
+            assert (
+                r["finish_reason"] == "abort"
+                and r["reward"] is None
+                and len(r["completion_token_ids"]) < ROLLOUT.max_tokens
+            )
             assert len(r["rollout_logprobs"]) == len(r["token_policy_versions"]) == len(r["completion_token_ids"])
-    assert all(r["finish_reason"] in ("stop", "length") and r["outcome"] for r in first.rows)  # stored groups are complete
+    # stored groups are complete
+    assert all(r["finish_reason"] in ("stop", "length") and r["outcome"] for r in first.rows)
     # Parquet takes both kinds of rows as they are.
-    assert rows_to_table(first.rows).num_rows == len(first.rows) and carry_table(first.carry_rows).num_rows == len(first.carry_rows)
+    assert rows_to_table(first.rows).num_rows == len(first.rows) and carry_table(first.carry_rows).num_rows == len(
+        first.carry_rows
+    )
 
 
 def test_the_next_round_resumes_them_first_and_stores_them_once(rounds):
@@ -90,4 +110,5 @@ def test_without_partial_rollouts_stragglers_run_to_the_end(tiny_policy_dir):
     engine = EmbeddedEngine(model, tok.eos_token_id, tok.pad_token_id, max_batch=ROLLOUT.max_batch)
     result = _round(engine, tok, 1, rollout=ROLLOUT.model_copy(update={"partial_rollouts": False}))
     assert result.carry_rows == [] and result.stats["rollout/carried_out_partial_samples"] == 0
-    assert result.stats["rollout/groups"] > result.stats["rollout/target_groups"]  # in-flight groups finished (batch_full later)
+    # in-flight groups finished (batch_full later)
+    assert result.stats["rollout/groups"] > result.stats["rollout/target_groups"]

@@ -37,8 +37,17 @@ class ScriptedEngine:
             if should_stop is not None and should_stop():
                 now = time.time()
                 for s in running + waiting:
-                    yield GeneratedSample(s.group_id, s.sample_index, s.prompt_token_ids, s.token_ids, s.logprobs,
-                                          s.token_policy_versions, ABORT, s.started_at, now)
+                    yield GeneratedSample(
+                        s.group_id,
+                        s.sample_index,
+                        s.prompt_token_ids,
+                        s.token_ids,
+                        s.logprobs,
+                        s.token_policy_versions,
+                        ABORT,
+                        s.started_at,
+                        now,
+                    )
                 return
             while len(running) + len(waiting) < self.max_batch:
                 group = next(feed, None)
@@ -47,9 +56,23 @@ class ScriptedEngine:
                 self.requests.append(group)
                 for i in group.sample_indices():
                     base = unstarted(group, i, time.time())
-                    waiting.append(GeneratedSample(base.group_id, i, base.prompt_token_ids, list(base.token_ids), list(base.logprobs),
-                                                   list(base.token_policy_versions), ABORT, base.started_at, base.finished_at))
-            running, waiting = running + waiting[: self.max_batch - len(running)], waiting[self.max_batch - len(running):]
+                    waiting.append(
+                        GeneratedSample(
+                            base.group_id,
+                            i,
+                            base.prompt_token_ids,
+                            list(base.token_ids),
+                            list(base.logprobs),
+                            list(base.token_policy_versions),
+                            ABORT,
+                            base.started_at,
+                            base.finished_at,
+                        )
+                    )
+            running, waiting = (
+                running + waiting[: self.max_batch - len(running)],
+                waiting[self.max_batch - len(running) :],
+            )
             if not running:
                 return
             self.steps += 1
@@ -104,11 +127,16 @@ def group(group_id: str, n: int = 2) -> Group:
     return Group(request, reference=group_id, meta=None, enqueued_at=time.time())
 
 
-def collect(engine, env, lengths, target, fresh_ids, carried=(), limits=PoolLimits(verdict_wait_s=0.05), max_fresh=None):
+QUICK = PoolLimits(verdict_wait_s=0.05)
+
+
+def collect(engine, env, lengths, target, fresh_ids, carried=(), limits=QUICK, max_fresh=None):
     pool = ReadyPool(env.submit, lambda ids: str(len(ids)), trainable, target, limits)
     pool.carry_in(carried)
     fresh = (group(g, len(lengths[g])) for g in fresh_ids)
-    for sample in engine.generate(pool.feed(fresh, len(fresh_ids) if max_fresh is None else max_fresh), pool.should_stop):
+    for sample in engine.generate(
+        pool.feed(fresh, len(fresh_ids) if max_fresh is None else max_fresh), pool.should_stop
+    ):
         pool.on_sample(sample)
     return pool, pool.finish()
 
@@ -134,7 +162,8 @@ def test_feeding_stops_at_the_target():
     # g2 took the slots g0 and g1 freed at step 2, before the target was reached; then nothing more.
     assert [r.group_id for r in engine.requests] == ["g0", "g1", "g2"] and engine.steps == 3
     assert [g.request.group_id for g in harvest.ready] == ["g0", "g1"]
-    assert [[s.carried_partial.token_ids for s in g.slots] for g in harvest.carry] == [[[0], [0]]]  # g2, stopped at 1 token
+    # g2, stopped at 1 token
+    assert [[s.carried_partial.token_ids for s in g.slots] for g in harvest.carry] == [[[0], [0]]]
     assert harvest.trainable == 2 and harvest.batch_ready_at is not None and harvest.stopped_at is not None
 
 
@@ -165,7 +194,9 @@ def test_a_group_is_ready_only_when_all_its_samples_are_verified_and_stragglers_
 
 def test_carried_samples_resume_first_under_the_new_version():
     lengths = {"g0": [2, 9], "g1": [3, 4], "g2": [8, 7]}
-    _, first = collect(ScriptedEngine(lengths, max_batch=4), ScriptedEnvironment(), lengths, target=1, fresh_ids=["g0", "g1"])
+    _, first = collect(
+        ScriptedEngine(lengths, max_batch=4), ScriptedEnvironment(), lengths, target=1, fresh_ids=["g0", "g1"]
+    )
     engine = ScriptedEngine(lengths, max_batch=4, policy_version=1)
     env = ScriptedEnvironment()
     _, second = collect(engine, env, lengths, target=2, fresh_ids=["g2"], carried=first.carry)
@@ -175,15 +206,18 @@ def test_carried_samples_resume_first_under_the_new_version():
     g0 = second.ready[0]
     assert g0.slots[0].sample.token_policy_versions == [0, 0]  # finished and verified last round: not redone
     assert g0.slots[1].sample.token_policy_versions == [0] * 4 + [1] * 5  # the version changes where it stopped
-    assert g0.slots[1].sample.token_ids == list(range(9)) and g0.slots[1].sample.logprobs == [-(t + 1) / 10 for t in range(9)]
+    assert g0.slots[1].sample.token_ids == list(range(9)) and g0.slots[1].sample.logprobs == [
+        -(t + 1) / 10 for t in range(9)
+    ]
     assert env.calls == ["g0", "g2", "g2"]  # only the resumed sample of g0 is verified again
 
 
 def test_samples_waiting_on_a_slow_environment_are_carried_not_lost():
     lengths = {"g0": [2, 3], "g1": [2, 3]}
     env = ScriptedEnvironment(held={"g1"})
-    _, first = collect(ScriptedEngine(lengths), env, lengths, target=1, fresh_ids=["g0", "g1"],
-                       limits=PoolLimits(verdict_wait_s=0.01))
+    _, first = collect(
+        ScriptedEngine(lengths), env, lengths, target=1, fresh_ids=["g0", "g1"], limits=PoolLimits(verdict_wait_s=0.01)
+    )
     assert [g.request.group_id for g in first.ready] == ["g0"] and first.abandoned == 2
     assert [s.state for s in first.carry[0].slots] == [UNVERIFIED, UNVERIFIED]  # generated, verdicts still out
     assert first.waited_for_slow_environment
@@ -198,9 +232,16 @@ def test_samples_waiting_on_a_slow_environment_are_carried_not_lost():
 def test_without_stopping_in_flight_samples_run_to_the_end():
     lengths = {"g0": [2, 9], "g1": [3, 4], "g2": [3, 4]}
     engine = ScriptedEngine(lengths, max_batch=4)
-    _, harvest = collect(engine, ScriptedEnvironment(), lengths, target=1, fresh_ids=list(lengths),
-                         limits=PoolLimits(stop_in_flight=False))
-    assert [r.group_id for r in engine.requests] == ["g0", "g1", "g2"]  # g2 fed at step 3; none after the target (step 4)
+    _, harvest = collect(
+        engine,
+        ScriptedEnvironment(),
+        lengths,
+        target=1,
+        fresh_ids=list(lengths),
+        limits=PoolLimits(stop_in_flight=False),
+    )
+    # g2 fed at step 3; none after the target (step 4)
+    assert [r.group_id for r in engine.requests] == ["g0", "g1", "g2"]
     assert [g.request.group_id for g in harvest.ready] == ["g1", "g2", "g0"]  # in the order they finished
     assert harvest.carry == [] and harvest.stopped_at is None and engine.steps == 9
 
@@ -210,14 +251,32 @@ def test_the_stop_point_does_not_depend_on_when_fast_verdicts_arrive(jitter_s):
     rng = random.Random(3)
     lengths = {f"g{i}": [rng.randint(1, 12) for _ in range(4)] for i in range(12)}
     engine = ScriptedEngine(lengths, max_batch=8)
-    _, harvest = collect(engine, ScriptedEnvironment(jitter_s=jitter_s), lengths, target=3, fresh_ids=list(lengths),
-                         limits=PoolLimits(verdict_wait_s=1.0, max_outstanding=3))
-    summary = ([g.request.group_id for g in harvest.ready],
-               {(g.request.group_id, s.index): (s.state, len((s.sample or s.carried_partial).token_ids)) for g in harvest.carry for s in g.slots})
+    _, harvest = collect(
+        engine,
+        ScriptedEnvironment(jitter_s=jitter_s),
+        lengths,
+        target=3,
+        fresh_ids=list(lengths),
+        limits=PoolLimits(verdict_wait_s=1.0, max_outstanding=3),
+    )
+    summary = (
+        [g.request.group_id for g in harvest.ready],
+        {
+            (g.request.group_id, s.index): (s.state, len((s.sample or s.carried_partial).token_ids))
+            for g in harvest.carry
+            for s in g.slots
+        },
+    )
     reference_engine = ScriptedEngine(lengths, max_batch=8)
     _, reference = collect(reference_engine, ScriptedEnvironment(), lengths, target=3, fresh_ids=list(lengths))
-    expected = ([g.request.group_id for g in reference.ready],
-                {(g.request.group_id, s.index): (s.state, len((s.sample or s.carried_partial).token_ids)) for g in reference.carry for s in g.slots})
+    expected = (
+        [g.request.group_id for g in reference.ready],
+        {
+            (g.request.group_id, s.index): (s.state, len((s.sample or s.carried_partial).token_ids))
+            for g in reference.carry
+            for s in g.slots
+        },
+    )
     assert summary == expected and engine.steps == reference_engine.steps
     assert not harvest.waited_for_slow_environment and harvest.trainable >= 3
 
@@ -226,8 +285,14 @@ def test_nothing_is_lost_when_the_round_ends():
     rng = random.Random(8)
     lengths = {f"g{i}": [rng.randint(1, 15) for _ in range(3)] for i in range(20)}
     engine = ScriptedEngine(lengths, max_batch=10)
-    pool, harvest = collect(engine, ScriptedEnvironment(held={"g5"}), lengths, target=4, fresh_ids=list(lengths),
-                            limits=PoolLimits(verdict_wait_s=0.01))
+    pool, harvest = collect(
+        engine,
+        ScriptedEnvironment(held={"g5"}),
+        lengths,
+        target=4,
+        fresh_ids=list(lengths),
+        limits=PoolLimits(verdict_wait_s=0.01),
+    )
     fed = {(r.group_id, i) for r in engine.requests for i in r.sample_indices()}
     assert set(accounted(harvest)) == fed  # every sample handed out is ready or carried, once
     assert {g.request.group_id for g in harvest.ready}.isdisjoint(g.request.group_id for g in harvest.carry)

@@ -12,17 +12,20 @@ import secrets
 import socket
 import sys
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 from pydantic import ValidationError
 
-from tasks import sandbox
-from tasks.sandbox import SANDBOX_UIDS, SandboxLimits, SandboxRun, classify, extract_code, verify_python
-from tasks.verify import VERIFIER_VERSIONS, Outcome, VerifierPool, get_verifier, run_verifier
+from tasks.verifiers import sandbox
+from tasks.verifiers.config import VerifyConfig
+from tasks.verifiers.outcome import Outcome
+from tasks.verifiers.pool import VerifierPool, run_verifier
+from tasks.verifiers.registry import get_verifier, verifier_version
+from tasks.verifiers.sandbox import SANDBOX_UIDS, SandboxLimits, SandboxRun, classify, extract_code, verify_python
 
 S, F, I = Outcome.SUCCESS, Outcome.MODEL_FAILURE, Outcome.INFRA_FAILURE
 LIMITS = SandboxLimits(wall_timeout_s=2.0, cpu_time_s=1, max_output_bytes=64 * 1024)
@@ -100,8 +103,11 @@ def test_limits_say_what_to_set() -> None:
         SandboxLimits(wall_timeout_s=0)
 
 
-def test_registered_version_matches() -> None:
-    assert VERIFIER_VERSIONS["python"] == sandbox.VERSION
+def test_registered_version_matches_and_limits_come_from_the_config() -> None:
+    assert verifier_version("python") == sandbox.VERSION
+    verifier = get_verifier("python", VerifyConfig(sandbox={"memory_mib": 128, "wall_timeout_s": 2}))
+    # verify.sandbox reaches the sandbox
+    assert verifier.keywords["limits"] == SandboxLimits(memory_mib=128, wall_timeout_s=2)
 
 
 @needs_root
@@ -170,8 +176,15 @@ def host() -> Iterator[Host]:
     listener.setblocking(False)
     secret_name = "RLROUNDS_SANDBOX_SECRET"
     os.environ[secret_name] = f"secret-{token}"
-    found = Host(secret_name, f"secret-{token}", f"/tmp/rlrounds-pwned-{token}",
-                 str(PROJECT / f"sandbox-pwned-{token}"), str(canary), listener.getsockname()[1], os.getpid())
+    found = Host(
+        secret_name,
+        f"secret-{token}",
+        f"/tmp/rlrounds-pwned-{token}",
+        str(PROJECT / f"sandbox-pwned-{token}"),
+        str(canary),
+        listener.getsockname()[1],
+        os.getpid(),
+    )
     try:
         yield found
         with pytest.raises(BlockingIOError):
@@ -198,23 +211,35 @@ HOSTILE = [
     ("write outside its dir", "open({outside_file!r}, 'w').write('pwned')", "Read-only file system"),
     ("write into the project", "open({project_file!r}, 'w').write('pwned')", "Read-only file system"),
     ("delete a canary", "import os\nos.unlink({canary!r})", "Read-only file system"),
-    ("read the host environment",  # prints all it can see; the secret must appear in no output
-     "import os, sys\nprint(dict(os.environ))\nprint(open('/proc/1/environ').read(), file=sys.stderr)\n"
-     "print(os.environ[{secret_name!r}])", "KeyError"),
-    ("connect to loopback", "import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1).sendall(b'x')",
-     "Permission denied"),  # refused by the socket filter; there is no interface up either
+    (
+        "read the host environment",  # prints all it can see; the secret must appear in no output
+        "import os, sys\nprint(dict(os.environ))\nprint(open('/proc/1/environ').read(), file=sys.stderr)\n"
+        "print(os.environ[{secret_name!r}])",
+        "KeyError",
+    ),
+    (
+        "connect to loopback",
+        "import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1).sendall(b'x')",
+        "Permission denied",
+    ),  # refused by the socket filter; there is no interface up either
     ("open a vsock", "import socket\nsocket.socket(socket.AF_VSOCK, socket.SOCK_STREAM)", "Permission denied"),
     ("become root", "import os\nos.setuid(0)", "Operation not permitted"),  # privileges are gone for good
     ("kill its parent", "import os\nos.kill(os.getppid(), 9)", "NameError"),  # no parent visible: it lives on, fails
     ("kill everything", "import os\nos.kill(-1, 9)", "No such process"),  # nothing else in its pid namespace
     ("kill the verifier by pid", "import os\nos.kill({verifier_pid}, 9)", "No such process"),  # host pids unseen
-    ("daemon outlives the run",  # double fork and setsid: still inside the pid namespace that dies
-     "import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        time.sleep(600)\n"
-     "    os._exit(0)", "NameError"),
+    (
+        "daemon outlives the run",  # double fork and setsid: still inside the pid namespace that dies
+        "import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        time.sleep(600)\n"
+        "    os._exit(0)",
+        "NameError",
+    ),
     ("exit(0) before the tests", "import sys\nsys.exit(0)", "before the tests finished"),  # reward hack
     ("os._exit(0) before the tests", "import os\nos._exit(0)", "before the tests finished"),  # harder exit
-    ("forge the result pipe", "import os, sys\nos.write(int(sys.argv[1]), b'S' * 64)\nos._exit(0)",
-     "before the tests finished"),  # the nonce is unknown to the model
+    (
+        "forge the result pipe",
+        "import os, sys\nos.write(int(sys.argv[1]), b'S' * 64)\nos._exit(0)",
+        "before the tests finished",
+    ),  # the nonce is unknown to the model
 ]
 
 
@@ -244,11 +269,17 @@ HONEST = [
     # (completion, expected outcome)
     ("def add(a, b):\n    return a + b", S),  # correct
     ("I will add:\n```python\ndef add(a, b):\n    return a + b\n```", S),  # correct, in a fence
-    ("import functools, operator\nadd = functools.partial(functools.reduce, operator.add)\n"
-     "add = lambda a, b, _f=add: _f([a, b])", S),  # stdlib imports work under -I -S
+    (
+        "import functools, operator\nadd = functools.partial(functools.reduce, operator.add)\n"
+        "add = lambda a, b, _f=add: _f([a, b])",
+        S,
+    ),  # stdlib imports work under -I -S
     ("def add(a, b):\n    open('scratch', 'w').write(str(a + b))\n    return int(open('scratch').read())", S),
-    ("import threading\ndef add(a, b):\n    out = []\n    t = threading.Thread(target=lambda: out.append(a + b))\n"
-     "    t.start(); t.join()\n    return out[0]", S),  # a thread is within the process limit
+    (
+        "import threading\ndef add(a, b):\n    out = []\n    t = threading.Thread(target=lambda: out.append(a + b))\n"
+        "    t.start(); t.join()\n    return out[0]",
+        S,
+    ),  # a thread is within the process limit
     ("import os, time\nif os.fork() == 0:\n    time.sleep(600)\ndef add(a, b):\n    return a + b", S),  # a
     # correct answer that leaves a child behind: the child dies with the pid namespace, not later
     ("def add(a, b):\n    return a - b", F),  # wrong answer: AssertionError

@@ -141,7 +141,10 @@ def train_policy(model, pad_token_id: int, batches: list[TrainBatch], config: Tr
             with torch.no_grad():
                 ref = token_logprobs(ref_model, tokens, temperature)
         if step == 0:  # weights still equal the sampling weights: the mismatch is free to measure here
-            mismatch = logprob_mismatch(logp.detach(), behaviour, mask)
+            # only over tokens sampled by these weights: a carried-over token's gap is staleness, not mismatch
+            versions = aligned(batch.policy_versions, prompt_width, total, fill=-1)  # [B, T-1]
+            current = (versions == current_version).float()  # [B, T-1]
+            mismatch = logprob_mismatch(logp.detach(), behaviour, mask * current)
         inputs = LossInputs(
             logp,
             behaviour,
@@ -214,17 +217,24 @@ TRAIN_COLUMNS = [
 ]
 
 
-def needs_proximal(setting: str, rollout_dtype: str, engines: list[dict]) -> bool:
+def needs_proximal(setting: str, rollout_dtype: str, engines: list[dict], stale_tokens: bool = False) -> bool:
     """Whether to recompute the trainer's logprobs at the sampling weights (enables truncated IS).
 
     'auto' skips it only when every sample came from the embedded engine at float32, whose logprobs
-    match the trainer's to ~1e-6; any other engine (vLLM: other kernels, batching) or precision needs it.
+    match the trainer's to ~1e-6, and every token was sampled by the parent policy; any other engine
+    (vLLM: other kernels, batching) or precision needs it, and so do tokens of an older policy version
+    (carried-over partial rollouts): the PPO ratio is then taken against the parent policy and the
+    truncated importance weight corrects for the older behaviour policy.
     """
     if setting != "auto":
         return setting == "always"
-    return rollout_dtype != "float32" or any(
-        (e or {}).get("name", "embedded") != "embedded" or (e or {}).get("dtype", "float32") != "float32"
-        for e in engines
+    return (
+        stale_tokens
+        or rollout_dtype != "float32"
+        or any(
+            (e or {}).get("name", "embedded") != "embedded" or (e or {}).get("dtype", "float32") != "float32"
+            for e in engines
+        )
     )
 
 
@@ -273,10 +283,12 @@ def run_train(
     parent = checkpoints.local_copy(root, ctx.parent_checkpoint)
     model, tokenizer = load_policy(parent, dtype="float32")
     ref_model = load_policy(parent, dtype="float32")[0] if config.kl_coef > 0 else None
-    recompute = needs_proximal(config.recompute_proximal, rollout_dtype, [r["engine"] for r in rows])
+    stale = any(v != ctx.parent_policy_version for r in rows for v in r["token_policy_versions"])
+    recompute = needs_proximal(config.recompute_proximal, rollout_dtype, [r["engine"] for r in rows], stale)
     batches = minibatches(rows, config.groups_per_step, config.steps_per_round)
     if progress is None:
         from tasks.report import report_progress as progress
+    started_at = time.time()  # the round's straggler wait ends here (tasks/report.py)
     state, stats = train_policy(
         model,
         tokenizer.pad_token_id,
@@ -308,4 +320,5 @@ def run_train(
         save_policy(model, tokenizer, tmp)
         save_optimizer(state, tmp)
         checkpoints.commit_checkpoint(root, tmp, target, lineage)
+    stats["train/started_at"] = started_at
     return Trained(checkpoint=target, stats=stats, committed_at=time.time())

@@ -264,14 +264,23 @@ def counter_uniform(seeds: "torch.Tensor", positions: "torch.Tensor", vocab: int
 
 def _top_p_filter(scaled: "torch.Tensor", top_ps: "torch.Tensor") -> "torch.Tensor":
     """Keep the smallest set of tokens whose probability reaches top_p (per row); mask the rest."""
+    return scaled.masked_fill(nucleus_drop(scaled, top_ps.unsqueeze(-1)), float("-inf"))
+
+
+def nucleus_drop(scaled: "torch.Tensor", top_ps: "torch.Tensor") -> "torch.Tensor":
+    """Which tokens top-p sampling excludes: True outside the nucleus.
+
+    scaled: [..., V] temperature-scaled logits; top_ps: [..., 1], broadcast against them. The nucleus
+    is the smallest set of most likely tokens whose probability reaches top_p. The trainer calls this
+    too (models/policy.token_logprobs), so both sides renormalise over the same set.
+    """
     import torch
 
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
     probs = sorted_logits.softmax(-1)
     before = probs.cumsum(-1) - probs  # mass of strictly more likely tokens
-    drop_sorted = before >= top_ps.unsqueeze(-1)
-    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-    return scaled.masked_fill(drop, float("-inf"))
+    drop_sorted = before >= top_ps
+    return torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
 
 
 @dataclass

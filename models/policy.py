@@ -126,11 +126,16 @@ def pack_sequences(prompts: list[list[int]], completions: list[list[int]], pad_t
     return TokenBatch(ids, attn, comp[:, 1:])
 
 
-def token_logprobs(model: Any, batch: TokenBatch, temperature: float = 1.0) -> "torch.Tensor":
-    """Log-probabilities of each next token under the model at ``temperature``: [B, T-1].
+def token_logprobs(model: Any, batch: TokenBatch, temperature: float = 1.0,
+                   top_p: "torch.Tensor | None" = None) -> "torch.Tensor":
+    """Log-probabilities of each next token under the model's sampling distribution: [B, T-1].
 
-    The engine reports logprobs under its sampling distribution (logits / temperature), so the
-    trainer must score the same distribution for the ratio to mean anything.
+    The engine reports logprobs under the distribution it sampled from, so the trainer scores that
+    same distribution for the ratio to mean anything: logits / ``temperature`` and, where a row's
+    ``top_p`` ([B]) is below 1, renormalised over that row's nucleus (models/engine.nucleus_drop),
+    which is the probability the sampled token really had. The nucleus is chosen from the current
+    logits without gradient; the token being scored always stays in it, so a token that left the
+    nucleus after an update gets a small probability rather than -inf (a finite ratio, no NaN).
     """
     import torch
 
@@ -140,4 +145,10 @@ def token_logprobs(model: Any, batch: TokenBatch, temperature: float = 1.0) -> "
     if temperature > 0:
         logits = logits / temperature
     targets = batch.input_ids[:, 1:].unsqueeze(-1)  # [B, T-1, 1]
+    if top_p is not None and bool((top_p < 1).any()):
+        from models.engine import nucleus_drop
+
+        ps = top_p.to(logits.dtype).view(-1, 1, 1)  # [B, 1, 1]
+        drop = nucleus_drop(logits.detach(), ps).scatter(-1, targets, False)  # [B, T-1, V]
+        logits = logits.masked_fill(drop, float("-inf"))
     return torch.log_softmax(logits, dim=-1).gather(-1, targets).squeeze(-1)

@@ -129,7 +129,7 @@ def verify_python(completion_text: str, reference: str) -> Verdict:
 
 VERIFIERS: dict[str, Verifier] = {"addition": verify_addition, "math": verify_math, "python": verify_python}
 # "math" and "python" must equal tasks.verify_math.VERSION and tasks.sandbox.VERSION (a test checks).
-VERIFIER_VERSIONS: dict[str, str] = {"addition": "1", "math": "2", "python": "1"}
+VERIFIER_VERSIONS: dict[str, str] = {"addition": "1", "math": "2", "python": "2"}
 
 
 def get_verifier(name: str) -> Verifier:

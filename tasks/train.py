@@ -217,8 +217,9 @@ def needs_proximal(setting: str, rollout_dtype: str, engines: list[dict], top_ps
     """
     if setting != "auto":
         return setting == "always"
-    return rollout_dtype != "float32" or any(p < 1.0 for p in top_ps) or any((e or {}).get("name", "embedded") != "embedded" or (e or {}).get("dtype", "float32") != "float32"
-                                             for e in engines)
+    if rollout_dtype != "float32" or any(p < 1.0 for p in top_ps):
+        return True
+    return any((e or {}).get("name", "embedded") != "embedded" or (e or {}).get("dtype", "float32") != "float32" for e in engines)
 
 
 def kept_rows(table) -> list[dict]:

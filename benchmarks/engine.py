@@ -24,7 +24,8 @@ import warnings
 def build_model(vocab_hidden=(16, 128), seed: int = 0):
     import torch
 
-    from models.base_policy import BaseRecipe, build_model as build
+    from models.base_policy import BaseRecipe
+    from models.base_policy import build_model as build
     from models.tokenizer import build_char_tokenizer
 
     torch.manual_seed(seed)

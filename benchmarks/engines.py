@@ -84,8 +84,11 @@ def main() -> None:
     import vllm
 
     vllm_import = time.perf_counter() - start
-    print(f"torch {torch.__version__} ({torch.get_num_threads()} threads), vllm {vllm.__version__} (import {vllm_import:.1f} s), "
-          f"{args.samples} samples x {args.tokens} tokens per prompt, {args.dtype}")
+    print(
+        f"torch {torch.__version__} ({torch.get_num_threads()} threads), vllm {vllm.__version__} (import "
+        f"{vllm_import:.1f} s), "
+        f"{args.samples} samples x {args.tokens} tokens per prompt, {args.dtype}"
+    )
     print(f"{'model':<26}{'prompts':>8}{'embedded tok/s':>16}{'vllm tok/s':>12}{'vllm/embedded':>15}{'vllm start':>12}")
     for name in args.models.split(","):
         hidden, layers, heads, ffn, scale = MODELS[name]

@@ -44,14 +44,24 @@ def main() -> None:
     print(f"{'engine':<10}{'model':<22}{'latency s':>11}{'pause s':>10}{'pause/latency':>15}{'start s':>9}")
     for model in args.models.split(","):
         hidden, layers, heads, ffn, _ = MODELS[model]
-        with tempfile.TemporaryDirectory(prefix="bench-publish-") as a, tempfile.TemporaryDirectory(prefix="bench-publish-") as b:
+        with (
+            tempfile.TemporaryDirectory(prefix="bench-publish-") as a,
+            tempfile.TemporaryDirectory(prefix="bench-publish-") as b,
+        ):
             params = save_model(a, hidden, layers, heads, ffn, seed=0)
             save_model(b, hidden, layers, heads, ffn, seed=1)
             for kind in args.engines.split(","):
                 started = time.perf_counter()
                 engine, tokenizer, _ = serving_engine(kind, a, args.dtype, 0, max_batch=64)
                 startup = time.perf_counter() - started
-                probe = [GroupRequest("probe", tuple(tokenizer("12+34=")["input_ids"]), 1, SamplingParams(temperature=0.0, max_tokens=4))]
+                probe = [
+                    GroupRequest(
+                        "probe",
+                        tuple(tokenizer("12+34=")["input_ids"]),
+                        1,
+                        SamplingParams(temperature=0.0, max_tokens=4),
+                    )
+                ]
                 list(engine.generate(probe))  # warm-up
                 latencies, pauses = [], []
                 for version in range(1, args.repeats + 1):
@@ -65,7 +75,10 @@ def main() -> None:
                 drop_serving_engines()
                 latency, pause = statistics.median(latencies), statistics.median(pauses)
                 label = f"{model} ({params / 1e6:.2f}M)"
-                print(f"{kind:<10}{label:<22}{latency:>11.4f}{pause:>10.4f}{pause / latency:>15.2f}{startup:>9.1f}", flush=True)
+                print(
+                    f"{kind:<10}{label:<22}{latency:>11.4f}{pause:>10.4f}{pause / latency:>15.2f}{startup:>9.1f}",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -26,13 +26,13 @@ import random
 import statistics
 import tempfile
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 
 def round_rows(groups: int, samples: int, seed: int = 0) -> list[dict]:
     """Rows like one round of the built-in addition task (vocabulary of 16 character tokens)."""
     rng = random.Random(seed)
-    start = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    start = datetime(2026, 1, 1, tzinfo=UTC)
     rows = []
     for g in range(groups):
         a, b = rng.randrange(100), rng.randrange(100)
@@ -44,23 +44,39 @@ def round_rows(groups: int, samples: int, seed: int = 0) -> list[dict]:
         for i, reward in enumerate(rewards):
             n = rng.randint(1, 8)
             enqueued = start + timedelta(milliseconds=g * 7)
-            rows.append({
-                "run_id": "20260101-000000-abcdef", "round": 3, "prompt_id": f"add-{a}-{b}", "group_id": f"r3-g{g:06d}",
-                "sample_index": i, "task": "addition", "prompt_text": prompt, "prompt_token_ids": prompt_ids,
-                "reference": str(a + b), "completion_text": str(rng.randrange(200))[:n],
-                "completion_token_ids": [rng.randrange(3, 16) for _ in range(n - 1)] + [2],
-                "rollout_logprobs": [-rng.expovariate(2.0) for _ in range(n)], "token_policy_versions": [2] * n,
-                "finish_reason": "stop" if n < 8 else "length",
-                "engine": {"name": "embedded", "version": "torch-2.13.0", "dtype": "float32"},
-                "sampling": {"temperature": 1.0, "top_p": 1.0, "seed": 1234 + g, "max_tokens": 8},
-                "verifier": {"name": "addition", "version": "1"}, "reward": reward,
-                "outcome": "success" if reward else "model_failure", "verify_error": None,
-                "advantage": (reward - mean) / 0.49 if mixed else 0.0, "kept": mixed,
-                "drop_reason": None if mixed else "zero_variance_group",
-                "enqueued_at": enqueued, "started_at": enqueued + timedelta(milliseconds=3),
-                "finished_at": enqueued + timedelta(milliseconds=40 + 5 * n), "verified_at": enqueued + timedelta(milliseconds=41 + 5 * n),
-                "gen_latency_s": 0.037 + 0.005 * n, "verify_latency_s": 0.0004,
-            })
+            rows.append(
+                {
+                    "run_id": "20260101-000000-abcdef",
+                    "round": 3,
+                    "prompt_id": f"add-{a}-{b}",
+                    "group_id": f"r3-g{g:06d}",
+                    "sample_index": i,
+                    "task": "addition",
+                    "prompt_text": prompt,
+                    "prompt_token_ids": prompt_ids,
+                    "reference": str(a + b),
+                    "completion_text": str(rng.randrange(200))[:n],
+                    "completion_token_ids": [rng.randrange(3, 16) for _ in range(n - 1)] + [2],
+                    "rollout_logprobs": [-rng.expovariate(2.0) for _ in range(n)],
+                    "token_policy_versions": [2] * n,
+                    "finish_reason": "stop" if n < 8 else "length",
+                    "engine": {"name": "embedded", "version": "torch-2.13.0", "dtype": "float32"},
+                    "sampling": {"temperature": 1.0, "top_p": 1.0, "seed": 1234 + g, "max_tokens": 8},
+                    "verifier": {"name": "addition", "version": "1"},
+                    "reward": reward,
+                    "outcome": "success" if reward else "model_failure",
+                    "verify_error": None,
+                    "advantage": (reward - mean) / 0.49 if mixed else 0.0,
+                    "kept": mixed,
+                    "drop_reason": None if mixed else "zero_variance_group",
+                    "enqueued_at": enqueued,
+                    "started_at": enqueued + timedelta(milliseconds=3),
+                    "finished_at": enqueued + timedelta(milliseconds=40 + 5 * n),
+                    "verified_at": enqueued + timedelta(milliseconds=41 + 5 * n),
+                    "gen_latency_s": 0.037 + 0.005 * n,
+                    "verify_latency_s": 0.0004,
+                }
+            )
     return rows
 
 
@@ -115,14 +131,23 @@ def main() -> None:
         assert arrow.num_rows == len(rows) == table.num_rows and len(kept_parquet) == len(kept_jsonl)
 
     mib = 1024 * 1024
-    print(f"one round: {table.num_rows} rows ({args.groups} groups x {args.samples} samples), {len(kept_parquet)} kept; "
-          f"trainer columns: {', '.join(TRAIN_COLUMNS)}; median of {args.repeats}")
-    print(f"size        parquet {parquet_bytes / mib:7.2f} MiB   jsonl {jsonl_bytes / mib:7.2f} MiB   "
-          f"jsonl/parquet {jsonl_bytes / parquet_bytes:5.1f}x  (goal >= 3x)")
-    print(f"read cols   parquet {t_parquet * 1000:7.1f} ms    jsonl(python) {t_python * 1000:7.1f} ms  -> {t_python / t_parquet:5.1f}x   "
-          f"jsonl(arrow) {t_arrow * 1000:7.1f} ms  -> {t_arrow / t_parquet:5.1f}x  (goal >= 10x)")
-    print(f"to rows     parquet {t_parquet_rows * 1000:7.1f} ms    jsonl(python) {t_python_rows * 1000:7.1f} ms  -> "
-          f"{t_python_rows / t_parquet_rows:5.1f}x  (kept rows as Python dicts, what train_policy consumes)")
+    print(
+        f"one round: {table.num_rows} rows ({args.groups} groups x {args.samples} samples), {len(kept_parquet)} kept; "
+        f"trainer columns: {', '.join(TRAIN_COLUMNS)}; median of {args.repeats}"
+    )
+    print(
+        f"size        parquet {parquet_bytes / mib:7.2f} MiB   jsonl {jsonl_bytes / mib:7.2f} MiB   "
+        f"jsonl/parquet {jsonl_bytes / parquet_bytes:5.1f}x  (goal >= 3x)"
+    )
+    print(
+        f"read cols   parquet {t_parquet * 1000:7.1f} ms    jsonl(python) {t_python * 1000:7.1f} ms  -> "
+        f"{t_python / t_parquet:5.1f}x   "
+        f"jsonl(arrow) {t_arrow * 1000:7.1f} ms  -> {t_arrow / t_parquet:5.1f}x  (goal >= 10x)"
+    )
+    print(
+        f"to rows     parquet {t_parquet_rows * 1000:7.1f} ms    jsonl(python) {t_python_rows * 1000:7.1f} ms  -> "
+        f"{t_python_rows / t_parquet_rows:5.1f}x  (kept rows as Python dicts, what train_policy consumes)"
+    )
 
 
 if __name__ == "__main__":

@@ -19,28 +19,57 @@ from prefect.runtime import flow_run
 from flows.config import CampaignConfig
 from flows.round import rl_round
 from flows.stages import Stages
-from storage.campaigns import assert_owner, claim, release
+from flows.tasks import open_round_task, preflight_task, prepare_base_task, register_base_task
+from storage.campaigns import Owner, assert_owner, claim, release
 from storage.paths import StorageRoot
 from storage.settings import settings
-from tasks.base import prepare_base_task, register_base_task
 from tasks.context import RoundContext
-from tasks.preflight import preflight_task
-from tasks.report import open_round_task
+from tasks.engines import released_engines
 
 log = logging.getLogger("rlrounds")
 
 
 def code_version() -> str:
-    """$RLROUNDS_CODE_VERSION (images built without .git), else the git commit of this code (with
-    '+dirty' for uncommitted changes), else the package version."""
+    """Which code and which dependency set trained a checkpoint: the code part, then ``deps:`` and a hash
+    of the installed lock (constraints.txt) when the code runs from a checkout that has one.
+
+    The code part is $RLROUNDS_CODE_VERSION (images built without .git), else the git commit of this
+    code (with '+dirty' for uncommitted changes), else the package version."""
+    deps = dependency_lock_hash()
+    return f"{_code_part()} deps:{deps}" if deps else _code_part()
+
+
+def dependency_lock_hash(path: str | None = None) -> str | None:
+    """sha256 prefix of the dependency lock beside this code (None when it is not there, e.g. a wheel)."""
+    import hashlib
+
+    path = path or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "constraints.txt")
+    try:
+        with open(path, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()[:12]
+    except OSError:
+        return None
+
+
+def _code_part() -> str:
     if os.environ.get("RLROUNDS_CODE_VERSION"):
         return os.environ["RLROUNDS_CODE_VERSION"]
     here = os.path.dirname(os.path.abspath(__file__))
     try:
-        sha = subprocess.run(["git", "-C", here, "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, timeout=5, check=True).stdout.strip()
+        sha = subprocess.run(
+            ["git", "-C", here, "rev-parse", "--short=12", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
+        ).stdout.strip()
         # --no-optional-locks: reading the status must never take the index lock from a concurrent git user
-        dirty = subprocess.run(["git", "--no-optional-locks", "-C", here, "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=5).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "--no-optional-locks", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout.strip()
         return f"git:{sha}{'+dirty' if dirty else ''}"
     except (OSError, subprocess.SubprocessError):
         from importlib.metadata import PackageNotFoundError, version
@@ -56,7 +85,9 @@ def new_run_id() -> str:
 
 
 @flow(name="rl-campaign", validate_parameters=True)
-def rl_campaign(config: CampaignConfig, storage: str | None = None, resume: bool | None = None, takeover: bool = False) -> dict:
+def rl_campaign(
+    config: CampaignConfig, storage: str | None = None, resume: bool | None = None, takeover: bool = False
+) -> dict:
     """resume: False for a new run id (`rlrounds run --run-id`), True for an existing one (`--resume`),
     None for either (re-running this flow continues it). takeover: resume even though the recorded
     owner runs on another host, which this one cannot check."""
@@ -66,39 +97,87 @@ def rl_campaign(config: CampaignConfig, storage: str | None = None, resume: bool
     run_id = config.run_id
     mode = {None: "auto", True: "resume", False: "new"}[resume]
     claim(root, run_id, config.model_dump(mode="json"), config.identity(), mode, takeover, dry_run=True)
-    preflight_task(config.round, storage)  # inputs first: a campaign that cannot run leaves nothing behind
+    preflight_task(
+        config=config.round, storage=storage
+    )  # inputs first: a campaign that cannot run leaves nothing behind
     owner = claim(root, run_id, config.model_dump(mode="json"), config.identity(), mode, takeover)
     if owner.generation:
         log.info("resuming campaign %s (takeover %d)", run_id, owner.generation)
     try:
-        return _rounds(config, storage, run_id, code_version(), owner)
+        with released_engines():  # the serving engine lives as long as the campaign, not the worker process
+            return _rounds(config, storage, run_id, code_version(), owner)
     finally:
         release(owner)
 
 
-def _rounds(config: CampaignConfig, storage: str, run_id: str, version: str, owner) -> dict:
+def _rounds(config: CampaignConfig, storage: str, run_id: str, version: str, owner: Owner) -> dict:
     rc = config.round
-    base = prepare_base_task(storage, rc.policy.base_model)
-    runs = open_round_task(storage, config.experiment, run_id, 0, {"config_hash": rc.config_hash(), "rounds": config.rounds})
-    ctx0 = RoundContext(
-        storage=storage, run_id=run_id, round=0, experiment=config.experiment, parent_checkpoint=base["checkpoint"],
-        parent_policy_version=0, parent_model_version="none", base_model=base["base_model"], config_hash=rc.config_hash(),
-        code_version=version, flow_run_id=str(flow_run.id or "none"), mlflow_run_id=runs["round_run"], seed=rc.seed,
+    base = prepare_base_task(storage=storage, base_model=rc.policy.base_model)
+    runs = open_round_task(
+        storage=storage,
+        experiment=config.experiment,
+        run_id=run_id,
+        round_index=0,
+        params={"config_hash": rc.config_hash(), "rounds": config.rounds},
     )
-    round0 = Stages(ctx0).run("base", register_base_task, ctx0, rc.publish, rc.evaluate, rc.prompts, rc.verifier)
-    log.info("round 0 (base %s): held-out accuracy %.1f%%", base["base_model"], 100 * round0["stats"]["eval/accuracy"])
-    history = [{"round": 0, "model_version": round0["model_version"], "accuracy": round0["stats"]["eval/accuracy"]}]
-    parent_checkpoint, parent_version = base["checkpoint"], round0["model_version"]
+    ctx0 = RoundContext(
+        storage=storage,
+        run_id=run_id,
+        round=0,
+        experiment=config.experiment,
+        parent_checkpoint=base.checkpoint,
+        parent_policy_version=0,
+        parent_model_version="none",
+        base_model=base.base_model,
+        config_hash=rc.config_hash(),
+        code_version=version,
+        flow_run_id=str(flow_run.id or "none"),
+        mlflow_run_id=runs.round_run,
+        seed=rc.seed,
+    )
+    round0 = Stages(ctx0).run(
+        "base",
+        register_base_task,
+        ctx=ctx0,
+        publish=rc.publish,
+        evaluate=rc.evaluate,
+        prompts=rc.prompts,
+        verify=rc.verify_resolved,
+    )
+    log.info("round 0 (base %s): held-out accuracy %.1f%%", base.base_model, 100 * round0.stats["eval/accuracy"])
+    history = [{"round": 0, "model_version": round0.model_version, "accuracy": round0.stats["eval/accuracy"]}]
+    parent_checkpoint, parent_version = base.checkpoint, round0.model_version
     for k in range(1, config.rounds + 1):
         assert_owner(StorageRoot.of(storage), run_id, owner)  # a process that lost a takeover stops here
-        result = rl_round(rc, storage, run_id, k, config.experiment, parent_checkpoint, parent_version, base["base_model"], version)
-        s = result["stats"]
-        log.info("%s", round_line(k, s, result["resumed_stages"]))
-        history.append({"round": k, "model_version": result["model_version"], "accuracy": s["eval/accuracy"],
-                        "trajectory_version": result["trajectory_version"], "seconds": s["time/round_s"]})
-        parent_checkpoint, parent_version = result["checkpoint"], result["model_version"]
+        result = rl_round(
+            rc,
+            storage=storage,
+            run_id=run_id,
+            round_index=k,
+            experiment=config.experiment,
+            parent_checkpoint=parent_checkpoint,
+            parent_model_version=parent_version,
+            base_model=base.base_model,
+            code_version=version,
+        )
+        s = result.stats
+        log.info("%s", round_line(k, s, result.resumed_stages))
+        history.append(
+            {
+                "round": k,
+                "model_version": result.model_version,
+                "accuracy": s["eval/accuracy"],
+                "trajectory_version": result.trajectory_version,
+                "seconds": s["time/round_s"],
+            }
+        )
+        parent_checkpoint, parent_version = result.checkpoint, result.model_version
         if config.stop_at_accuracy is not None and s["eval/accuracy"] >= config.stop_at_accuracy:
-            log.info("stopping: accuracy %.1f%% reached stop_at_accuracy %.1f%%", 100 * s["eval/accuracy"], 100 * config.stop_at_accuracy)
+            log.info(
+                "stopping: accuracy %.1f%% reached stop_at_accuracy %.1f%%",
+                100 * s["eval/accuracy"],
+                100 * config.stop_at_accuracy,
+            )
             break
     return {"run_id": run_id, "storage": storage, "rounds": history, "final_model_version": parent_version}
 
@@ -106,6 +185,9 @@ def _rounds(config: CampaignConfig, storage: str, run_id: str, version: str, own
 def round_line(k: int, s: dict, resumed_stages: list[str]) -> str:
     """The one line a finished round prints. A resumed round may lack figures of stages it skipped."""
     nan = float("nan")
-    line = (f"round {k}: mean reward {s.get('verify/mean_reward', nan):.3f}, kept {s.get('filter/kept_groups', nan):.0f} groups, "
-            f"held-out accuracy {100 * s['eval/accuracy']:.1f}%, {s['time/round_s']:.1f} s")
+    line = (
+        f"round {k}: mean reward {s.get('verify/mean_reward', nan):.3f}, kept {s.get('filter/kept_groups', nan):.0f} "
+        "groups, "
+        f"held-out accuracy {100 * s['eval/accuracy']:.1f}%, {s['time/round_s']:.1f} s"
+    )
     return f"{line} (resumed: {', '.join(resumed_stages)} already committed)" if resumed_stages else line

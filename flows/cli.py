@@ -15,12 +15,11 @@ import time
 import uuid
 
 from flows.cli_data import add_commands
+from flows.errors import UserError
 
 EXIT_USAGE = 2
-
-
-class UserError(Exception):
-    """A problem with the user's input; printed as one line."""
+# CampaignConfig.rounds' default, repeated so `--help` needs no config import; tests/test_install.py keeps them equal.
+DEFAULT_ROUNDS = 45
 
 
 def _quiet_libraries(debug: bool) -> None:
@@ -90,7 +89,9 @@ def check_storage_writable(uri: str) -> None:
         root.fs.rm(probe)
     except Exception as exc:  # noqa: BLE001 -- any failure means the root is unusable
         reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
-        raise UserError(f"storage root {uri} is not writable ({reason}); pass --storage with a writable directory or s3:// URI") from None
+        raise UserError(
+            f"storage root {uri} is not writable ({reason}); pass --storage with a writable directory or s3:// URI"
+        ) from None
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -142,8 +143,10 @@ def _resume_config(run_id: str, path: str | None, rounds: int | None, storage: s
     try:
         return CampaignConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(f"the stored config of campaign {run_id} no longer validates ({describe_validation_error(exc, None)}); "
-                          "pass --config with the equivalent config for this version") from None
+        raise ConfigError(
+            f"the stored config of campaign {run_id} no longer validates ({describe_validation_error(exc, None)}); "
+            "pass --config with the equivalent config for this version"
+        ) from None
 
 
 def _check_before_starting(config, storage: str, resume: bool, takeover: bool) -> None:
@@ -154,9 +157,16 @@ def _check_before_starting(config, storage: str, resume: bool, takeover: bool) -
     from tasks.preflight import run_preflight
 
     if config.run_id:
-        claim(StorageRoot.of(storage), config.run_id, config.model_dump(mode="json"), config.identity(),
-              "resume" if resume else "new", takeover, dry_run=True)
-    run_preflight(config.round, storage)
+        claim(
+            StorageRoot.of(storage),
+            config.run_id,
+            config.model_dump(mode="json"),
+            config.identity(),
+            "resume" if resume else "new",
+            takeover,
+            dry_run=True,
+        )
+    run_preflight(config=config.round, storage=storage)
 
 
 def _settings_storage() -> str:
@@ -192,53 +202,83 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise UserError(str(exc)) from None
     storage = args.storage or _settings_storage()
     if "://" not in storage and not os.path.isdir(storage):
-        raise UserError(f"storage root {storage} does not exist; pass --storage or set RLROUNDS_STORAGE to where the rounds ran")
+        raise UserError(
+            f"storage root {storage} does not exist; pass --storage or set RLROUNDS_STORAGE to where the rounds ran"
+        )
     os.environ["RLROUNDS_STORAGE"] = storage
     from flows.evaluate import rl_evaluate
 
-    r = rl_evaluate(args.model_version, config.round, args.engine, args.dtype, storage)
-    print(f"{r['model_version']}: held-out accuracy {r['eval/accuracy']:.1%} on {r['eval/engine']} {r['eval/dtype']}, "
-          f"{r['eval/accuracy_train_precision']:.1%} at training precision ({r['train_dtype']}), "
-          f"gap {r['eval/serving_gap']:+.1%} over {r['eval/prompts']} prompts", flush=True)
+    result = rl_evaluate(args.model_version, config.round, args.engine, args.dtype, storage)
+    s = result.stats
+    print(
+        f"{result.model_version}: held-out accuracy {s['eval/accuracy']:.1%} on {s['eval/engine']} {s['eval/dtype']}, "
+        f"{s['eval/accuracy_train_precision']:.1%} at training precision ({result.train_dtype}), "
+        f"gap {s['eval/serving_gap']:+.1%} over {s['eval/prompts']} prompts",
+        flush=True,
+    )
     return 0
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    import yaml
+    from flows.config import CampaignConfig, commented_yaml
 
-    from flows.config import CampaignConfig
-
-    print(yaml.safe_dump(CampaignConfig().model_dump(mode="json"), sort_keys=False), end="")
+    print(commented_yaml(CampaignConfig()), end="")
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rlrounds", description="RL post-training of language models as auditable rounds.")
+    parser = argparse.ArgumentParser(
+        prog="rlrounds", description="RL post-training of language models as auditable rounds."
+    )
     parser.add_argument("--debug", action="store_true", help="show tracebacks and library logs")
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run a campaign of RL rounds")
-    run.add_argument("--rounds", type=int, help="number of rounds (default: the config's, 16)")
+    run.add_argument("--rounds", type=int, help=f"number of rounds (default: the config's, {DEFAULT_ROUNDS})")
     run.add_argument("--config", help="YAML or JSON campaign config (see `rlrounds config`)")
-    run.add_argument("--storage", help="storage root: a directory or s3://bucket/prefix (default $RLROUNDS_STORAGE or ./rlrounds-data)")
+    run.add_argument(
+        "--storage",
+        help="storage root: a directory or s3://bucket/prefix (default $RLROUNDS_STORAGE or ./rlrounds-data)",
+    )
     run.add_argument("--run-id", help="campaign id (default: a fresh one)")
-    run.add_argument("--resume", metavar="RUN_ID", help="continue a stopped or killed campaign from its last committed stage "
-                     "(its stored config unless --config is given, which must match; --rounds may extend it)")
-    run.add_argument("--takeover", action="store_true", help="with --resume: take over although the recorded owner runs on "
-                     "another host (make sure it is gone)")
-    run.add_argument("--replicas", type=int, help="rollout engine replicas as Ray actors (default: the config's rollout.replicas, 1)")
-    run.add_argument("--ray-address", help="Ray cluster for the replicas, e.g. auto or ray://host:10001 (default: a local Ray)")
+    run.add_argument(
+        "--resume",
+        metavar="RUN_ID",
+        help="continue a stopped or killed campaign from its last committed stage "
+        "(its stored config unless --config is given, which must match; --rounds may extend it)",
+    )
+    run.add_argument(
+        "--takeover",
+        action="store_true",
+        help="with --resume: take over although the recorded owner runs on another host (make sure it is gone)",
+    )
+    run.add_argument(
+        "--replicas", type=int, help="rollout engine replicas as Ray actors (default: the config's rollout.replicas, 1)"
+    )
+    run.add_argument(
+        "--ray-address", help="Ray cluster for the replicas, e.g. auto or ray://host:10001 (default: a local Ray)"
+    )
     run.set_defaults(func=cmd_run)
 
-    evaluate = sub.add_parser("eval", help="score a model version at a serving engine/precision and at training precision")
+    evaluate = sub.add_parser(
+        "eval", help="score a model version at a serving engine/precision and at training precision"
+    )
     evaluate.add_argument("model_version", help="registered model version, NAME/VERSION")
-    evaluate.add_argument("--engine", choices=["embedded", "vllm"], help="serving engine (default: the config's evaluate.serving_engine)")
-    evaluate.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="serving precision (default: evaluate.serving_dtype)")
+    evaluate.add_argument(
+        "--engine", choices=["embedded", "vllm"], help="serving engine (default: the config's evaluate.serving_engine)"
+    )
+    evaluate.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        help="serving precision (default: evaluate.serving_dtype)",
+    )
     evaluate.add_argument("--config", help="campaign config whose evaluate, prompts and verify sections apply")
-    evaluate.add_argument("--storage", help="storage root the rounds ran on (default $RLROUNDS_STORAGE or ./rlrounds-data)")
+    evaluate.add_argument(
+        "--storage", help="storage root the rounds ran on (default $RLROUNDS_STORAGE or ./rlrounds-data)"
+    )
     evaluate.set_defaults(func=cmd_eval)
 
-    config = sub.add_parser("config", help="print the default campaign config as YAML")
+    config = sub.add_parser("config", help="print the default campaign config as YAML, each field's help as a comment")
     config.set_defaults(func=cmd_config)
     add_commands(sub)  # trajectories, refilter, replay, lineage, gc (flows/cli_data.py)
     return parser
@@ -247,6 +287,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from flows.orphans import mark_this_process, reap_orphans
+
+    reaped = reap_orphans()  # left by campaigns killed before they could stop their children
+    if reaped:
+        pids = ", ".join(map(str, reaped))
+        print(f"rlrounds: stopped {len(reaped)} process(es) left by a killed rlrounds (pids {pids})", file=sys.stderr)
+    mark_this_process()
     _quiet_libraries(args.debug)
     _setup_logging()
     if args.debug:
@@ -259,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except Exception as exc:  # noqa: BLE001 -- one line for known input problems, traceback on --debug
+    except Exception as exc:  # one line for known input problems, traceback on --debug
         message = _known_input_error(exc)
         if message is None:
             raise
@@ -270,21 +317,24 @@ def main(argv: list[str] | None = None) -> int:
 def _known_input_error(exc: BaseException) -> str | None:
     """Errors that name a fix the user can make; anything else is a bug and keeps its traceback."""
     from models.policy import PolicyLoadError
-    from tasks.prompts import PromptError
-
     from storage.campaigns import CampaignError
-    from tasks.verify import InfraFailureRateError
+    from storage.checkpoints import CheckpointError
+    from storage.lineage import LineageError  # includes storage.audit.AuditError, tasks.replay.ReplayError
+    from storage.query import QueryError
+    from storage.trajectories import TrajectoryStoreError  # includes CorruptPartError
+    from tasks.prompts import PromptError
+    from tasks.verifiers.pool import InfraFailureRateError
 
-    known: tuple[type[BaseException], ...] = (PolicyLoadError, PromptError, CampaignError, InfraFailureRateError)
-    try:
-        from storage.checkpoints import CheckpointError
-        from storage.lineage import LineageError  # includes storage.audit.AuditError, tasks.replay.ReplayError
-        from storage.query import QueryError
-        from storage.trajectories import TrajectoryStoreError  # includes CorruptPartError
-
-        known += (LineageError, TrajectoryStoreError, QueryError, CheckpointError)
-    except ImportError:
-        pass
+    known = (
+        PolicyLoadError,
+        PromptError,
+        CampaignError,
+        InfraFailureRateError,
+        LineageError,
+        TrajectoryStoreError,
+        QueryError,
+        CheckpointError,
+    )
     seen: BaseException | None = exc
     while seen is not None:
         if isinstance(seen, known):

@@ -22,7 +22,9 @@ def add_commands(sub) -> None:
     listing.add_argument("--run", help="only versions of this campaign run id")
     _storage_arg(listing)
     listing.set_defaults(func=cmd_list)
-    show = tsub.add_parser("show", help="schema, counts, rewards, outcomes, lengths, policy versions and parents of a version")
+    show = tsub.add_parser(
+        "show", help="schema, counts, rewards, outcomes, lengths, policy versions and parents of a version"
+    )
     show.add_argument("version", help="version id or a unique prefix (6+ characters)")
     show.add_argument("--json", action="store_true", help="print the summary as JSON")
     _storage_arg(show)
@@ -36,18 +38,27 @@ def add_commands(sub) -> None:
 
     refilter = sub.add_parser("refilter", help="select rows of a version with SQL (DuckDB) into a derived version")
     refilter.add_argument("version", help="version id or a unique prefix (6+ characters)")
-    refilter.add_argument("--where", required=True,
-                          help="SQL predicate over trajectory columns, e.g. \"len(completion_token_ids) <= 4 AND outcome = 'success'\"")
-    refilter.add_argument("--regroup", action="store_true",
-                          help="recompute advantages within the remaining groups and re-drop zero-variance groups")
+    refilter.add_argument(
+        "--where",
+        required=True,
+        help="SQL predicate over trajectory columns, e.g. \"len(completion_token_ids) <= 4 AND outcome = 'success'\"",
+    )
+    refilter.add_argument(
+        "--regroup",
+        action="store_true",
+        help="recompute advantages within the remaining groups and re-drop zero-variance groups",
+    )
     refilter.add_argument("--target-groups", type=int, help="with --regroup: keep only the first N trainable groups")
     _storage_arg(refilter)
     refilter.set_defaults(func=cmd_refilter)
 
     reverify = sub.add_parser("reverify", help="verify selected rows of a version again into a derived version")
     reverify.add_argument("version", help="version id or a unique prefix (6+ characters)")
-    reverify.add_argument("--where", default=None,
-                          help="SQL predicate choosing the rows to verify again (default: \"outcome = 'infra_failure'\")")
+    reverify.add_argument(
+        "--where",
+        default=None,
+        help="SQL predicate choosing the rows to verify again (default: \"outcome = 'infra_failure'\")",
+    )
     reverify.add_argument("--verifier", help="verifier name (default: the one recorded on the rows)")
     _storage_arg(reverify)
     reverify.set_defaults(func=cmd_reverify)
@@ -55,7 +66,10 @@ def add_commands(sub) -> None:
     replay = sub.add_parser("replay", help="train on a stored trajectory version from a registered model version")
     replay.add_argument("--trajectories", required=True, help="trajectory version id or unique prefix")
     replay.add_argument("--from-model", required=True, help="registered model version to start from, NAME/VERSION")
-    replay.add_argument("--config", help="campaign config file the round ran with (default: the training config recorded with the round)")
+    replay.add_argument(
+        "--config",
+        help="campaign config file the round ran with (default: the training config recorded with the round)",
+    )
     replay.add_argument("--model-name", help="registered model name for the result (default: the parent's)")
     replay.add_argument("--no-evaluate", action="store_true", help="skip the held-out evaluation of the result")
     _storage_arg(replay)
@@ -68,27 +82,36 @@ def add_commands(sub) -> None:
     lineage.set_defaults(func=cmd_lineage)
 
     gc = sub.add_parser("gc", help="remove uncommitted leftovers (never a committed version or checkpoint)")
-    gc.add_argument("--grace", type=float, default=DEFAULT_GRACE_S,
-                    help=f"only leftovers untouched for this many seconds (default {DEFAULT_GRACE_S:.0f}: a day)")
+    gc.add_argument(
+        "--grace",
+        type=float,
+        default=DEFAULT_GRACE_S,
+        help=f"only leftovers untouched for this many seconds (default {DEFAULT_GRACE_S:.0f}: a day)",
+    )
     gc.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
     _storage_arg(gc)
     gc.set_defaults(func=cmd_gc)
 
 
 def _storage_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--storage", help="storage root: a directory or s3://bucket/prefix (default $RLROUNDS_STORAGE or ./rlrounds-data)")
+    parser.add_argument(
+        "--storage",
+        help="storage root: a directory or s3://bucket/prefix (default $RLROUNDS_STORAGE or ./rlrounds-data)",
+    )
 
 
 def _root(args: argparse.Namespace):
     """The storage root to read; a local one must exist (read commands never create one)."""
-    from flows.cli import UserError
+    from flows.errors import UserError
     from storage.paths import StorageRoot
     from storage.settings import settings
 
     uri = args.storage or settings().storage
     root = StorageRoot.of(uri)
     if root.is_local and not os.path.isdir(root.uri):
-        raise UserError(f"storage root {uri} does not exist; pass --storage or set RLROUNDS_STORAGE to where the rounds ran")
+        raise UserError(
+            f"storage root {uri} does not exist; pass --storage or set RLROUNDS_STORAGE to where the rounds ran"
+        )
     return root
 
 
@@ -106,6 +129,7 @@ def _counts(counts: dict) -> str:
 
 # -- trajectories -----------------------------------------------------------------------------------
 
+
 def cmd_list(args: argparse.Namespace) -> int:
     from storage.trajectories import list_manifests
 
@@ -113,9 +137,16 @@ def cmd_list(args: argparse.Namespace) -> int:
     manifests.sort(key=lambda m: (str(m.body.get("run_id")), m.body.get("round") or 0, m.parent is not None, m.version))
     print(f"{'VERSION':<22}{'KIND':<9}{'RUN':<28}{'ROUND':>6}{'ROWS':>9}  PARENT")
     for m in manifests:
-        print(f"{m.version:<22}{m.kind:<9}{str(m.body.get('run_id')):<28}{str(m.body.get('round')):>6}{m.rows:>9}  {m.parent or '-'}")
+        print(
+            f"{m.version:<22}{m.kind:<9}{str(m.body.get('run_id')):<28}{str(m.body.get('round')):>6}{m.rows:>9}  "
+            f"{m.parent or '-'}"
+        )
     if not manifests:
-        print("(no committed trajectory versions)" if args.run is None else f"(no committed trajectory versions of run {args.run})")
+        print(
+            "(no committed trajectory versions)"
+            if args.run is None
+            else f"(no committed trajectory versions of run {args.run})"
+        )
     return 0
 
 
@@ -129,20 +160,39 @@ def cmd_show(args: argparse.Namespace) -> int:
     summary = summarize(read_table(root, manifest))
     chain = derivation_of(root, manifest.version)
     if args.json:
-        print(json.dumps({"version": manifest.version, "uri": manifest.directory, "manifest": manifest.body,
-                          "summary": summary, "parent_chain": chain}, indent=2, default=str))
+        print(
+            json.dumps(
+                {
+                    "version": manifest.version,
+                    "uri": manifest.directory,
+                    "manifest": manifest.body,
+                    "summary": summary,
+                    "parent_chain": chain,
+                },
+                indent=2,
+                default=str,
+            )
+        )
         return 0
     s, reward, lengths = summary, summary["reward"], summary["completion_tokens"]
     values = f"; values {_counts(reward['values'])}" if reward["values"] else ""
-    fmt = lambda v, spec=".3f": "n/a" if v is None else format(v, spec)  # noqa: E731
+
+    def fmt(v, spec=".3f"):
+        return "n/a" if v is None else format(v, spec)
+
     lines = [
-        f"trajectory version {manifest.version} ({manifest.kind}, run {manifest.body.get('run_id')} round {manifest.body.get('round')})",
+        f"trajectory version {manifest.version} ({manifest.kind}, run {manifest.body.get('run_id')} round "
+        f"{manifest.body.get('round')})",
         f"  location         {manifest.directory}",
-        f"  schema           {manifest.body.get('schema_version')}, {len(s['columns'])} columns; {len(manifest.parts)} part(s), "
+        f"  schema           {manifest.body.get('schema_version')}, {len(s['columns'])} columns; "
+        f"{len(manifest.parts)} part(s), "
         f"{_size(sum(p.get('bytes', 0) for p in manifest.parts))}",
-        f"  rows             {s['rows']} in {s['groups']} groups ({s['prompts']} prompts); kept {s['kept_rows']} rows in {s['kept_groups']} groups",
-        f"  reward           mean {fmt(reward['mean'])}, min {fmt(reward['min'])}, max {fmt(reward['max'])}, unscored {reward['unscored']}{values}",
-        f"  advantage        kept mean {fmt(s['advantage']['kept_mean'])}, mean |a| {fmt(s['advantage']['kept_mean_abs'])}",
+        f"  rows             {s['rows']} in {s['groups']} groups ({s['prompts']} prompts); kept {s['kept_rows']} "
+        f"rows in {s['kept_groups']} groups",
+        f"  reward           mean {fmt(reward['mean'])}, min {fmt(reward['min'])}, max {fmt(reward['max'])}, "
+        f"unscored {reward['unscored']}{values}",
+        f"  advantage        kept mean {fmt(s['advantage']['kept_mean'])}, mean |a| "
+        f"{fmt(s['advantage']['kept_mean_abs'])}",
         f"  outcomes         {_counts(s['outcome'])}",
         f"  dropped          {_counts(s['drop_reason'])}",
         f"  finish reasons   {_counts(s['finish_reason'])}",
@@ -170,41 +220,52 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 # -- refilter, replay ---------------------------------------------------------------------------------
 
+
 def cmd_refilter(args: argparse.Namespace) -> int:
-    from flows.cli import UserError
+    from flows.errors import UserError
     from tasks.refilter import RefilterRequest, run_refilter
 
     if args.target_groups is not None and (not args.regroup or args.target_groups < 1):
         raise UserError("--target-groups needs --regroup and a positive number of groups")
     root = _root(args)
-    request = RefilterRequest(version=args.version, where=args.where, regroup=args.regroup, target_groups=args.target_groups)
-    result = run_refilter(root.uri, request)
-    s = result["stats"]
-    print(f"derived version {result['version']} from {result['parent']}: {s['filter/rows']:.0f} rows, kept {s['filter/kept_rows']:.0f} "
-          f"in {s['filter/kept_groups']:.0f} groups{' (regrouped)' if args.regroup else ''} -> {result['uri']}")
+    request = RefilterRequest(
+        version=args.version, where=args.where, regroup=args.regroup, target_groups=args.target_groups
+    )
+    result = run_refilter(storage=root.uri, request=request)
+    s = result.stats
+    print(
+        f"derived version {result.version} from {result.parent}: {s['filter/rows']:.0f} rows, kept "
+        f"{s['filter/kept_rows']:.0f} "
+        f"in {s['filter/kept_groups']:.0f} groups{' (regrouped)' if args.regroup else ''} -> {result.uri}"
+    )
     return 0
 
 
 def cmd_reverify(args: argparse.Namespace) -> int:
-    from flows.cli import UserError
+    from flows.errors import UserError
     from tasks.refilter import REVERIFY_DEFAULT_WHERE, ReverifyRequest, run_reverify
+    from tasks.verifiers.config import VerifyConfig
 
     root = _root(args)
-    request = ReverifyRequest(version=args.version, where=args.where or REVERIFY_DEFAULT_WHERE, verifier=args.verifier)
+    request = ReverifyRequest(
+        version=args.version, where=args.where or REVERIFY_DEFAULT_WHERE, verify=VerifyConfig(verifier=args.verifier)
+    )
     try:
-        result = run_reverify(root.uri, request)
+        result = run_reverify(storage=root.uri, request=request)
     except ValueError as exc:  # no such verifier, several recorded
         raise UserError(str(exc)) from None
-    s, v = result["stats"], result["verifier"]
-    print(f"derived version {result['version']} from {result['parent']}: {result['rows']} rows verified again with "
-          f"{v['name']} v{v['version']} ({_counts(result['outcomes_before'])} -> {_counts(result['outcomes_after'])}); "
-          f"kept {s['filter/kept_rows']:.0f} rows in {s['filter/kept_groups']:.0f} groups -> {result['uri']}")
+    s, v = result.stats, result.verifier
+    print(
+        f"derived version {result.version} from {result.parent}: {result.rows} rows verified again with "
+        f"{v['name']} v{v['version']} ({_counts(result.outcomes_before)} -> {_counts(result.outcomes_after)}); "
+        f"kept {s['filter/kept_rows']:.0f} rows in {s['filter/kept_groups']:.0f} groups -> {result.uri}"
+    )
     return 0
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from flows.cli import UserError
     from flows.config import ConfigError, load_campaign_config
+    from flows.errors import UserError
 
     config = None
     if args.config:
@@ -218,23 +279,31 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from flows.replay import ReplayRequest, rl_replay
 
     try:
-        request = ReplayRequest(trajectories=args.trajectories, from_model=args.from_model, config=config,
-                                model_name=args.model_name, evaluate=not args.no_evaluate)
+        request = ReplayRequest(
+            trajectories=args.trajectories,
+            from_model=args.from_model,
+            config=config,
+            model_name=args.model_name,
+            evaluate=not args.no_evaluate,
+        )
     except ValidationError as exc:
         raise UserError(exc.errors()[0]["msg"].removeprefix("Value error, ")) from None
     result = rl_replay(request, storage=root.uri)
     accuracy = result["stats"].get("eval/accuracy")
     evaluated = f", held-out accuracy {accuracy:.1%}" if accuracy is not None else ""
-    print(f"{result['replay_id']}: {result['from_model']} + trajectories {result['trajectory_version']} -> "
-          f"{result['model_version']}{evaluated}; checkpoint {result['checkpoint']}")
+    print(
+        f"{result['replay_id']}: {result['from_model']} + trajectories {result['trajectory_version']} -> "
+        f"{result['model_version']}{evaluated}; checkpoint {result['checkpoint']}"
+    )
     return 0
 
 
 # -- lineage, gc ------------------------------------------------------------------------------------
 
+
 def cmd_lineage(args: argparse.Namespace) -> int:
-    from storage.audit import format_lineage, parse_model_version, to_json, walk
-    from storage.lineage import Tracker
+    from storage.audit import format_lineage, to_json, walk
+    from storage.lineage import Tracker, parse_model_version
     from storage.settings import settings
 
     parse_model_version(args.model_version)  # a malformed reference fails before MLflow is touched
@@ -248,7 +317,7 @@ def cmd_lineage(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from flows.cli import UserError
+    from flows.errors import UserError
     from storage.gc import collect
 
     if args.grace < 0:
@@ -257,7 +326,13 @@ def cmd_gc(args: argparse.Namespace) -> int:
     leftovers = collect(root, grace_s=args.grace, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
     for item in leftovers:
-        print(f"{verb} {item.kind:<12} {item.path}  ({item.files} files, {_size(item.bytes)}, {item.age_s / 3600:.1f} h old)")
+        print(
+            f"{verb} {item.kind:<12} {item.path}  ({item.files} files, {_size(item.bytes)}, {item.age_s / 3600:.1f} "
+            "h old)"
+        )
     total = sum(item.bytes for item in leftovers)
-    print(f"gc: {verb} {len(leftovers)} uncommitted leftover(s), {_size(total)}; committed versions and checkpoints untouched")
+    print(
+        f"gc: {verb} {len(leftovers)} uncommitted leftover(s), {_size(total)}; committed versions and checkpoints "
+        "untouched"
+    )
     return 0

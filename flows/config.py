@@ -10,16 +10,18 @@ import hashlib
 import json
 import os
 import re
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
+from tasks.config_base import Config, field_help
 from tasks.evaluate import EvaluateConfig
 from tasks.filter import FilterConfig
 from tasks.prompts import PromptsConfig
 from tasks.publish import PublishConfig
 from tasks.rollout import RolloutConfig
 from tasks.train import TrainConfig
-from tasks.verify import VerifyConfig
+from tasks.verifiers.config import VerifyConfig
 
 BUILTIN_BASE = "builtin"
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -29,10 +31,8 @@ class ConfigError(ValueError):
     pass
 
 
-class PolicyConfig(BaseModel):
+class PolicyConfig(Config):
     """The policy a campaign starts from."""
-
-    model_config = ConfigDict(extra="forbid")
 
     base_model: str = BUILTIN_BASE
     """'builtin' (the tiny addition Llama, built on first use and cached under the storage root) or a
@@ -42,23 +42,32 @@ class PolicyConfig(BaseModel):
     @classmethod
     def _exists(cls, v: str) -> str:
         if v != BUILTIN_BASE and "://" not in v and not os.path.isdir(v):
-            raise ValueError(f"base model directory {v!r} does not exist; set policy.base_model to 'builtin' or a Hugging Face causal-LM directory")
+            raise ValueError(
+                f"base model directory {v!r} does not exist; set policy.base_model to 'builtin' or a Hugging Face "
+                "causal-LM directory"
+            )
         return v
 
 
-class RoundConfig(BaseModel):
+class RoundConfig(Config):
     """Everything one round does, stage by stage."""
 
-    model_config = ConfigDict(extra="forbid")
-
     policy: PolicyConfig = PolicyConfig()
+    """The policy the campaign starts from."""
     prompts: PromptsConfig = PromptsConfig()
+    """Where training prompts come from."""
     rollout: RolloutConfig = RolloutConfig()
+    """How samples are generated: engine, precision, sampling, replicas."""
     verify: VerifyConfig = VerifyConfig()
+    """How finished samples are scored: verifier, its pool, sandbox limits, deadlines."""
     filter: FilterConfig = FilterConfig()
+    """How rewards become advantages, and which samples train."""
     train: TrainConfig = TrainConfig()
+    """How the policy is updated from one round's trajectories."""
     publish: PublishConfig = PublishConfig()
+    """Where checkpoints are registered."""
     evaluate: EvaluateConfig = EvaluateConfig()
+    """How published checkpoints are scored, at serving precision."""
     seed: int = 0
     """Seeds prompt order and sampling; a round's seed is derived from it and the round index."""
 
@@ -69,25 +78,31 @@ class RoundConfig(BaseModel):
 
     @property
     def verifier(self) -> str:
+        """The verifier's name: verify.verifier, else the prompts' task."""
         return self.verify.verifier or self.prompts.task
+
+    @property
+    def verify_resolved(self) -> VerifyConfig:
+        """The verify section with its verifier named (what rollout and evaluation score with)."""
+        return self.verify.model_copy(update={"verifier": self.verifier})
 
     def config_hash(self) -> str:
         canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
     @model_validator(mode="after")
-    def _verifier_known(self) -> "RoundConfig":
-        from tasks.verify import VERIFIERS
+    def _verifier_known(self) -> RoundConfig:
+        from tasks.verifiers.registry import VERIFIERS
 
         if self.verifier not in VERIFIERS:
-            raise ValueError(f"no verifier named {self.verifier!r}; set verify.verifier to one of: {', '.join(sorted(VERIFIERS))}")
+            raise ValueError(
+                f"no verifier named {self.verifier!r}; set verify.verifier to one of: {', '.join(sorted(VERIFIERS))}"
+            )
         return self
 
 
-class CampaignConfig(BaseModel):
+class CampaignConfig(Config):
     """A campaign: rounds that each start from the previous round's checkpoint."""
-
-    model_config = ConfigDict(extra="forbid")
 
     rounds: int = Field(45, ge=1, le=10_000)
     """Rounds to run."""
@@ -99,6 +114,7 @@ class CampaignConfig(BaseModel):
     stop_at_accuracy: float | None = Field(None, ge=0.0, le=1.0)
     """Stop early once a round's serving-precision held-out accuracy reaches this."""
     round: RoundConfig = RoundConfig()
+    """Everything one round does, stage by stage."""
 
     def identity(self) -> dict:
         """What a resume must match: everything that shapes a round. The round count and the stopping
@@ -109,7 +125,9 @@ class CampaignConfig(BaseModel):
     @classmethod
     def _run_id_safe(cls, v: str | None) -> str | None:
         if v is not None and not RUN_ID_PATTERN.match(v):
-            raise ValueError(f"run_id {v!r} must be 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit")
+            raise ValueError(
+                f"run_id {v!r} must be 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
+            )
         return v
 
 
@@ -130,9 +148,13 @@ def load_campaign_config(path: str | None, **overrides) -> CampaignConfig:
                 data = yaml.safe_load(text) or {}
         except Exception as exc:  # noqa: BLE001 -- any parse error is the file's
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ConfigError(f"config file {path} is not valid {'JSON' if path.endswith('.json') else 'YAML'}: {first}") from None
+            raise ConfigError(
+                f"config file {path} is not valid {'JSON' if path.endswith('.json') else 'YAML'}: {first}"
+            ) from None
         if not isinstance(data, dict):
-            raise ConfigError(f"config file {path} must hold a mapping of fields (rounds, round: {{...}}), not {type(data).__name__}")
+            raise ConfigError(
+                f"config file {path} must hold a mapping of fields (rounds, round: {{...}}), not {type(data).__name__}"
+            )
     for key, value in overrides.items():
         if value is not None:
             data[key] = value
@@ -142,12 +164,50 @@ def load_campaign_config(path: str | None, **overrides) -> CampaignConfig:
         raise ConfigError(describe_validation_error(exc, path)) from None
 
 
-def describe_validation_error(exc: ValidationError, path: str | None) -> str:
+def describe_validation_error(exc: ValidationError, path: str | None, model: type[BaseModel] = CampaignConfig) -> str:
+    """The first error as one line: where, pydantic's message, and the field's help (its docstring).
+
+    A validator's own message already names the fix, so only pydantic's built-in messages ("Input
+    should be greater than or equal to 2") get the help appended."""
     err = exc.errors()[0]
     where = ".".join(str(p) for p in err["loc"]) or "config"
     source = f"{path}: " if path else ""
     if err["type"] == "extra_forbidden":
         return f"{source}unknown field {where!r}; remove it or check its spelling against `rlrounds config`"
     msg = err["msg"].removeprefix("Value error, ")
+    help_text = field_help(model, tuple(err["loc"])) if err["type"] != "value_error" else None
+    if help_text:
+        msg = f"{msg} — {help_text}"
     more = f" (and {len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
     return f"{source}{where}: {msg}{more}"
+
+
+def commented_yaml(config: BaseModel, indent: int = 0) -> str:
+    """``config`` as YAML with each field's docstring as a comment above it (``rlrounds config``).
+
+    Loading the text gives back the same values; the comments are the help a config file's reader needs."""
+    import textwrap
+
+    import yaml
+
+    pad = " " * indent
+    lines: list[str] = []
+    for name, field in type(config).model_fields.items():
+        if field.description:
+            text = " ".join(field.description.split())
+            lines += [f"{pad}# {line}" for line in textwrap.wrap(text, width=max(40, 100 - indent))]
+        value: Any = getattr(config, name)
+        if isinstance(value, BaseModel):
+            lines.append(f"{pad}{name}:")
+            lines.append(commented_yaml(value, indent + 2).rstrip("\n"))
+        else:
+            dumped = yaml.safe_dump({name: _plain(value)}, sort_keys=False, default_flow_style=False).rstrip("\n")
+            lines += [f"{pad}{line}" for line in dumped.splitlines()]
+    return "\n".join(lines) + "\n"
+
+
+def _plain(value: Any) -> Any:
+    """A field value as YAML can write it (enums and other JSON-mode values by their JSON form)."""
+    from pydantic import TypeAdapter
+
+    return TypeAdapter(type(value)).dump_python(value, mode="json") if value is not None else None

@@ -13,19 +13,24 @@ from __future__ import annotations
 from prefect import flow
 
 from flows.config import RoundConfig
+from flows.tasks import evaluate_version_task
 from storage.settings import settings
-from tasks.evaluate import EvaluateConfig, evaluate_version_task
+from tasks.engines import released_engines
+from tasks.evaluate import EvaluateConfig
+from tasks.results import VersionEvaluation
 
 TRAIN_DTYPE = "float32"  # the trainer always works in float32 (tasks/train.run_train)
 
 
 @flow(name="rl-evaluate", flow_run_name="evaluate-{model_version}", validate_parameters=True)
 def rl_evaluate(model_version: str, config: RoundConfig | None = None, serving_engine: str | None = None,
-                serving_dtype: str | None = None, storage: str | None = None) -> dict:
+                serving_dtype: str | None = None, storage: str | None = None) -> VersionEvaluation:
     """Score ``model_version`` ('NAME/VERSION') with ``config``'s evaluate, prompts and verifier sections;
     ``serving_engine`` / ``serving_dtype`` override ``config.evaluate``'s."""
     storage = storage or settings().storage
     rc = config or RoundConfig()
     overrides = {k: v for k, v in (("serving_engine", serving_engine), ("serving_dtype", serving_dtype)) if v}
     evaluate = EvaluateConfig.model_validate({**rc.evaluate.model_dump(), **overrides})
-    return evaluate_version_task(storage, model_version, evaluate, rc.prompts, rc.verifier, TRAIN_DTYPE)
+    with released_engines():  # an engine this evaluation starts does not outlive it
+        return evaluate_version_task(storage=storage, model_version=model_version, config=evaluate, prompts=rc.prompts,
+                                     verify=rc.verify_resolved, train_dtype=TRAIN_DTYPE)

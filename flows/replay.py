@@ -4,6 +4,8 @@
   result with its lineage (tasks/replay.py).
 - ``rl-refilter``: select rows of a trajectory version with an SQL predicate, optionally regroup, and
   commit a derived version (tasks/refilter.py).
+- ``rl-reverify``: score selected rows of a trajectory version again (by default its infrastructure
+  failures, once the environment is fixed) into a derived version (tasks/refilter.py).
 
 Sequencing only. The parameters are pydantic models, so the Prefect UI renders them as forms.
 """
@@ -12,20 +14,21 @@ from __future__ import annotations
 
 from prefect import flow
 from prefect.runtime import flow_run
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import field_validator
 
 from flows.campaign import code_version
 from flows.config import RoundConfig
+from flows.tasks import plan_replay_task, publish_replay_task, refilter_task, reverify_task, train_task
+from storage.lineage import LineageError, parse_model_version
 from storage.settings import settings
-from tasks.refilter import RefilterRequest, refilter_task
-from tasks.replay import plan_replay_task, publish_replay_task
-from tasks.train import train_task
+from tasks.config_base import Config
+from tasks.engines import released_engines
+from tasks.refilter import RefilterRequest, ReverifyRequest
+from tasks.results import Reverified, TrajectoryVersion
 
 
-class ReplayRequest(BaseModel):
+class ReplayRequest(Config):
     """What to replay, from where, with which config."""
-
-    model_config = ConfigDict(extra="forbid")
 
     trajectories: str
     """Trajectory version id (or a unique prefix of at least 6 characters): a round's own or a derived one."""
@@ -42,9 +45,12 @@ class ReplayRequest(BaseModel):
     @field_validator("from_model")
     @classmethod
     def _name_slash_version(cls, v: str) -> str:
-        name, _, version = v.rpartition("/")
-        if not name or not version.isdigit():
-            raise ValueError(f"from_model {v!r} must be a registered model version NAME/VERSION, e.g. rlrounds-policy/3")
+        try:
+            parse_model_version(v)
+        except LineageError:
+            raise ValueError(
+                f"from_model {v!r} must be a registered model version NAME/VERSION, e.g. rlrounds-policy/3"
+            ) from None
         return v
 
 
@@ -52,24 +58,50 @@ class ReplayRequest(BaseModel):
 def rl_replay(request: ReplayRequest, storage: str | None = None) -> dict:
     storage = storage or settings().storage
     rc = request.config or RoundConfig()
-    plan = plan_replay_task(storage, request.trajectories, request.from_model,
-                            request.config.train if request.config else None,
-                            request.config.config_hash() if request.config else None,
-                            request.model_name, rc.prompts.task, code_version(), str(flow_run.id or "none"))
-    trained = train_task(plan.context, plan.trajectory_uri, plan.train, plan.temperature, plan.rollout_dtype,
-                         lineage_extra=plan.lineage_extra, target_checkpoint=plan.checkpoint)
-    published = publish_replay_task(plan, trained["checkpoint"], trained["stats"], rc.evaluate if request.evaluate else None,
-                                    rc.prompts, rc.verifier)
+    plan = plan_replay_task(
+        storage=storage,
+        trajectories=request.trajectories,
+        from_model=request.from_model,
+        train=request.config.train if request.config else None,
+        config_hash=request.config.config_hash() if request.config else None,
+        model_name=request.model_name,
+        task=rc.prompts.task,
+        code_version=code_version(),
+        flow_run_id=str(flow_run.id or "none"),
+    )
+    with released_engines():  # an engine the evaluation starts does not outlive the replay
+        trained = train_task(
+            ctx=plan.context,
+            trajectory_uri=plan.trajectory_uri,
+            config=plan.train,
+            temperature=plan.temperature,
+            rollout_dtype=plan.rollout_dtype,
+            lineage_extra=plan.lineage_extra,
+            target_checkpoint=plan.checkpoint,
+        )
+        published = publish_replay_task(
+            plan=plan,
+            checkpoint=trained.checkpoint,
+            train_stats=trained.stats,
+            evaluate=rc.evaluate if request.evaluate else None,
+            prompts=rc.prompts,
+            verify=rc.verify_resolved,
+        )
     return {
         "replay_id": plan.replay_id,
-        "model_version": published["model_version"],
-        "checkpoint": trained["checkpoint"],
+        "model_version": published.model_version,
+        "checkpoint": trained.checkpoint,
         "trajectory_version": plan.trajectory_version,
         "from_model": request.from_model,
-        "stats": published["stats"],
+        "stats": published.stats,
     }
 
 
 @flow(name="rl-refilter", validate_parameters=True)
-def rl_refilter(request: RefilterRequest, storage: str | None = None) -> dict:
-    return refilter_task(storage or settings().storage, request)
+def rl_refilter(request: RefilterRequest, storage: str | None = None) -> TrajectoryVersion:
+    return refilter_task(storage=storage or settings().storage, request=request)
+
+
+@flow(name="rl-reverify", validate_parameters=True)
+def rl_reverify(request: ReverifyRequest, storage: str | None = None) -> Reverified:
+    return reverify_task(storage=storage or settings().storage, request=request)

@@ -1,6 +1,8 @@
 """One RL round as a Prefect flow: rollout -> verify -> filter -> store -> train -> publish -> evaluate.
 
-Sequencing only: every stage is a task that takes URIs and configs and returns URIs and small stats.
+Sequencing only: every stage is a task that takes URIs and configs by keyword and returns a typed
+result (tasks/results.py) of URIs and small stats. Rollout verifies each sample as it finishes
+(verification overlaps generation); filter commits the trajectory version to the store.
 """
 
 from __future__ import annotations
@@ -12,13 +14,29 @@ from prefect.runtime import flow_run
 
 from flows.config import RoundConfig
 from flows.stages import Stages
+from flows.tasks import (
+    evaluate_task,
+    filter_task,
+    open_round_task,
+    publish_task,
+    record_round_task,
+    rollout_task,
+    train_task,
+)
 from tasks.context import RoundContext
-from tasks.evaluate import evaluate_task
-from tasks.filter import filter_task
-from tasks.publish import publish_task
-from tasks.report import open_round_task, record_round_task
-from tasks.rollout import rollout_task
-from tasks.train import train_task
+from tasks.results import StageResult, Stats
+
+
+class RoundResult(StageResult):
+    """What a campaign keeps of a finished round."""
+
+    round: int
+    checkpoint: str
+    model_version: str
+    trajectory_version: str
+    stats: Stats
+    resumed_stages: list[str]
+    """Stages answered from their records (a resumed round)."""
 
 
 class _Clock:
@@ -39,40 +57,44 @@ class _Clock:
 
 
 @flow(name="rl-round", flow_run_name="{run_id}-round-{round_index}", validate_parameters=True)
-def rl_round(config: RoundConfig, storage: str, run_id: str, round_index: int, experiment: str,
-             parent_checkpoint: str, parent_model_version: str, base_model: str, code_version: str) -> dict:
+def rl_round(config: RoundConfig, storage: str, run_id: str, round_index: int, experiment: str, parent_checkpoint: str,
+             parent_model_version: str, base_model: str, code_version: str) -> RoundResult:
     clock = _Clock()
-    runs = open_round_task(storage, experiment, run_id, round_index, {"config_hash": config.config_hash()})
+    runs = open_round_task(storage=storage, experiment=experiment, run_id=run_id, round_index=round_index,
+                           params={"config_hash": config.config_hash()})
     ctx = RoundContext(
-        storage=storage, run_id=run_id, round=round_index, experiment=experiment,
-        parent_checkpoint=parent_checkpoint, parent_policy_version=round_index - 1,
-        parent_model_version=parent_model_version, base_model=base_model, config_hash=config.config_hash(),
-        code_version=code_version, flow_run_id=str(flow_run.id or "none"), mlflow_run_id=runs["round_run"], seed=config.seed,
+        storage=storage, run_id=run_id, round=round_index, experiment=experiment, parent_checkpoint=parent_checkpoint,
+        parent_policy_version=round_index - 1, parent_model_version=parent_model_version, base_model=base_model,
+        config_hash=config.config_hash(), code_version=code_version, flow_run_id=str(flow_run.id or "none"),
+        mlflow_run_id=runs.round_run, seed=config.seed,
     )
     stage = Stages(ctx)  # each stage runs once per (run, round, inputs); a resumed round skips the recorded ones
     clock.lap("open")
-    rollout = stage.run("rollout", rollout_task, ctx, config.prompts, config.rollout, config.verify, config.filter, config.target_groups)
+
+    # rollout + verify: each sample is scored as it finishes, until the trainable batch is full
+    rollout = stage.run("rollout", rollout_task, ctx=ctx, prompts=config.prompts, rollout=config.rollout,
+                        verify=config.verify_resolved, filtering=config.filter, target_groups=config.target_groups)
     clock.lap("rollout")
-    trajectories = stage.run("filter", filter_task, ctx, rollout["staging"], config.filter, config.target_groups, rollout["stats"])
+    # filter + store: advantages and drop decisions, committed as this round's trajectory version
+    trajectories = stage.run("filter", filter_task, ctx=ctx, staging=rollout.staging, config=config.filter,
+                             target_groups=config.target_groups, rollout_stats=rollout.stats)
     clock.lap("filter")
-    trained = stage.run("train", train_task, ctx, trajectories["uri"], config.train, config.rollout.temperature, config.rollout.dtype)
+    trained = stage.run("train", train_task, ctx=ctx, trajectory_uri=trajectories.uri, config=config.train,
+                        temperature=config.rollout.temperature, rollout_dtype=config.rollout.dtype)
     clock.lap("train")
-    published = stage.run("publish", publish_task, ctx, config.publish, trained["checkpoint"], trajectories["version"],
-                          trajectories["uri"], trained["committed_at"], config.rollout.engine, config.rollout.dtype,
-                          config.rollout.max_batch)
+    published = stage.run("publish", publish_task, ctx=ctx, config=config.publish, checkpoint=trained.checkpoint,
+                          trajectory_version=trajectories.version, trajectory_uri=trajectories.uri,
+                          committed_at=trained.committed_at, engine=config.rollout.engine,
+                          engine_dtype=config.rollout.dtype, max_batch=config.rollout.max_batch)
     clock.lap("publish")
-    evaluation = stage.run("evaluate", evaluate_task, ctx, config.evaluate, config.prompts, config.verifier, trained["checkpoint"],
-                           published["model_version"])
+    evaluation = stage.run("evaluate", evaluate_task, ctx=ctx, config=config.evaluate, prompts=config.prompts,
+                           verify=config.verify_resolved, checkpoint=trained.checkpoint,
+                           model_version=published.model_version)
     clock.lap("evaluate")
-    stats = {**rollout["stats"], **trajectories["stats"], **trained["stats"], **published["stats"], **evaluation, **clock.total(),
-             "resume/stages_skipped": len(stage.skipped)}
-    stage.run("record", record_round_task, storage, runs["round_run"], run_id, round_index, stats, published["model_version"],
-              trajectories["version"])
-    return {
-        "round": round_index,
-        "checkpoint": trained["checkpoint"],
-        "model_version": published["model_version"],
-        "trajectory_version": trajectories["version"],
-        "stats": stats,
-        "resumed_stages": stage.skipped,
-    }
+
+    stats = {**rollout.stats, **trajectories.stats, **trained.stats, **published.stats, **evaluation.stats,
+             **clock.total(), "resume/stages_skipped": len(stage.skipped)}
+    stage.run("record", record_round_task, ctx=ctx, stats=stats, model_version=published.model_version,
+              trajectory_version=trajectories.version)
+    return RoundResult(round=round_index, checkpoint=trained.checkpoint, model_version=published.model_version,
+                       trajectory_version=trajectories.version, stats=stats, resumed_stages=stage.skipped)

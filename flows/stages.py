@@ -6,16 +6,20 @@ crash between its commit and its record only costs re-reading what it committed)
 hook gets its chance, and the record is written. A killed campaign therefore resumes at the first
 stage without a record, and re-running a flow with the same run id skips everything already done.
 
-The inputs key is what the stage was asked to do: the round's identity, its configs, and upstream
-URIs and versions. Measurements (floats, stats dicts) and per-process ids (Prefect flow run, code
-version) are not inputs, so a resumed stage matches its record; a record from other inputs is an error.
+The inputs key is what the stage was asked to do, as its function declares it: every keyword argument
+except those annotated ``NotInput`` (measurements, callbacks), with defaults applied, and of the
+round context only its identity (``RoundContext.inputs``). Floats are inputs like any other value
+(a sampling temperature changes what train computes). A record from other inputs is an error.
 """
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
-from typing import Any, Callable
+import typing
+from collections.abc import Callable
+from typing import Any
 
 from pydantic import BaseModel
 
@@ -23,28 +27,50 @@ from storage.campaigns import read_stage, write_stage
 from storage.paths import StorageRoot
 from tasks.context import RoundContext
 from tasks.faults import crash_point
+from tasks.results import NotInput, StageResult
 
-# Per process, not per campaign: a resume may run other code (a bug fix) in another Prefect flow run,
-# and the MLflow run is found again by its tags. The storage root is where the records live.
-NOT_INPUTS = {"flow_run_id", "code_version", "mlflow_run_id", "storage"}
+
+def stage_function(task: Callable[..., Any]) -> Callable[..., Any]:
+    """The plain function behind a Prefect task (or the function itself)."""
+    return getattr(task, "fn", task)
 
 
 def _canonical(value: Any) -> Any:
     if isinstance(value, RoundContext):
-        return value.model_dump(mode="json", exclude=NOT_INPUTS)
+        return value.inputs()
     if isinstance(value, BaseModel):
         return value.model_dump(mode="json")
-    if value is None or isinstance(value, (float, dict)):
-        return "~"  # a measurement, or absent: keeps the other arguments in place
-    if isinstance(value, (str, int, bool)):
+    if value is None or isinstance(value, (str, int, float, bool)):
         return value
     if isinstance(value, (list, tuple)):
         return [_canonical(v) for v in value]
-    raise TypeError(f"stage argument of type {type(value).__name__} has no inputs key; pass URIs, versions or configs")
+    if isinstance(value, dict):
+        return {str(k): _canonical(v) for k, v in value.items()}
+    raise TypeError(
+        f"stage input of type {type(value).__name__} has no inputs key; pass URIs, versions, numbers or configs, "
+        "or annotate the parameter NotInput"
+    )
 
 
-def inputs_key(stage: str, args: tuple, kwargs: dict) -> str:
-    body = [stage, [_canonical(a) for a in args], {k: _canonical(v) for k, v in sorted(kwargs.items())}]
+def declared_inputs(fn: Callable[..., Any]) -> tuple[list[str], type[StageResult]]:
+    """(the parameters that are inputs, the result type) as ``fn`` declares them."""
+    hints = typing.get_type_hints(fn, include_extras=True)
+    returns = hints.get("return")
+    if not (isinstance(returns, type) and issubclass(returns, StageResult)):
+        raise TypeError(f"stage function {fn.__name__} must declare a StageResult return type, not {returns!r}")
+    inputs = [
+        name
+        for name in inspect.signature(fn).parameters
+        if not any(isinstance(m, NotInput) for m in getattr(hints.get(name), "__metadata__", ()))
+    ]
+    return inputs, returns
+
+
+def inputs_key(stage: str, fn: Callable[..., Any], kwargs: dict[str, Any]) -> str:
+    inputs, _ = declared_inputs(fn)
+    bound = inspect.signature(fn).bind(**kwargs)  # an unknown or missing argument fails here, before anything runs
+    bound.apply_defaults()
+    body = [stage, {name: _canonical(bound.arguments[name]) for name in inputs}]
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:20]
 
 
@@ -56,13 +82,16 @@ class Stages:
         self.root = StorageRoot.of(ctx.storage)
         self.skipped: list[str] = []
 
-    def run(self, stage: str, task: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        key = inputs_key(stage, args, kwargs)
-        record = read_stage(self.root, self.ctx.run_id, self.ctx.round, stage, key)
-        if record is not None:
+    def run(self, stage: str, task: Callable[..., Any], **kwargs: Any) -> Any:
+        """``task(**kwargs)`` once per inputs; returns its typed result, or the recorded one."""
+        fn = stage_function(task)
+        _, returns = declared_inputs(fn)
+        key = inputs_key(stage, fn, kwargs)
+        recorded = read_stage(self.root, self.ctx.run_id, self.ctx.round, stage, key)
+        if recorded is not None:
             self.skipped.append(stage)
-            return record["value"]
-        value = task(*args, **kwargs)
+            return returns.model_validate(recorded)
+        result = task(**kwargs)
         crash_point(stage, self.ctx.round)
-        write_stage(self.root, self.ctx.run_id, self.ctx.round, stage, key, {"value": value})
-        return value
+        write_stage(self.root, self.ctx.run_id, self.ctx.round, stage, key, result.model_dump(mode="json"))
+        return result

@@ -85,12 +85,16 @@ def _build(out_dir: str, recipe: BaseRecipe, progress, start: float) -> dict:
         model.train()
         chunk = prompts[step * recipe.batch_size : (step + 1) * recipe.batch_size]
         enc_prompts = [tokenizer(p.text)["input_ids"] for p in chunk]
-        enc_answers = [tokenizer(p.reference, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for p in chunk]
+        enc_answers = [
+            tokenizer(p.reference, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for p in chunk
+        ]
         batch = pack_sequences(enc_prompts, enc_answers, tokenizer.pad_token_id)
         positions = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=positions).logits
         # Supervised loss on the answer tokens only: the prompt is given, never predicted.
-        nll = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), batch.input_ids[:, 1:], reduction="none")
+        nll = torch.nn.functional.cross_entropy(
+            logits[:, :-1].transpose(1, 2), batch.input_ids[:, 1:], reduction="none"
+        )
         mask = batch.completion_mask.float()
         loss = (nll * mask).sum() / mask.sum()
         optimizer.zero_grad(set_to_none=True)
@@ -124,15 +128,11 @@ def _build(out_dir: str, recipe: BaseRecipe, progress, start: float) -> dict:
 
 def greedy_accuracy(engine, tokenizer, prompts) -> float:
     """Greedy exact-match accuracy of ``engine`` on ``prompts`` (the addition verifier's rule)."""
-    from models.engine import GroupRequest, SamplingParams
+    from models.engine import greedy_completions
 
-    params = SamplingParams(temperature=0.0, max_tokens=8)
-    requests = [GroupRequest(p.prompt_id, tuple(tokenizer(p.text)["input_ids"]), 1, params) for p in prompts]
-    by_id = {p.prompt_id: p for p in prompts}
-    correct = 0
-    for sample in engine.generate(requests):
-        text = tokenizer.decode(sample.token_ids, skip_special_tokens=True).strip()
-        correct += text == by_id[sample.group_id].reference
+    correct = sum(
+        text.strip() == prompt.reference for prompt, text, _ in greedy_completions(engine, tokenizer, prompts, 8)
+    )
     return correct / len(prompts)
 
 

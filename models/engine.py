@@ -13,8 +13,9 @@ not keep finished rows computing) and admits waiting sequences into the freed sl
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, Iterator, Protocol
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -62,15 +63,22 @@ class EngineInfo:
     dtype: str
 
 
-class Engine(Protocol):
-    info: EngineInfo
-    policy_version: int
+def greedy_completions(
+    engine: Any, tokenizer: Any, prompts: Sequence[Any], max_tokens: int
+) -> Iterator[tuple[Any, str, int]]:
+    """(prompt, decoded completion, completion tokens) of each prompt's one greedy sample, in finish order.
 
-    def generate(self, groups: Iterable[GroupRequest]) -> Iterator[GeneratedSample]: ...
-
-    def load_weights(self, checkpoint_dir: str, policy_version: int) -> float:
-        """Serve new weights in place; returns the seconds the engine could not serve."""
-        ...
+    ``prompts`` carry ``prompt_id`` and ``text`` (models.addition.Prompt); how an answer is scored is the
+    caller's (the evaluation stage's verifier, the base recipe's exact match)."""
+    params = SamplingParams(temperature=0.0, top_p=1.0, max_tokens=max_tokens, seed=0)
+    requests = [GroupRequest(p.prompt_id, tuple(tokenizer(p.text)["input_ids"]), 1, params) for p in prompts]
+    by_id = {p.prompt_id: p for p in prompts}
+    for sample in engine.generate(requests):
+        yield (
+            by_id[sample.group_id],
+            tokenizer.decode(sample.token_ids, skip_special_tokens=True),
+            len(sample.token_ids),
+        )
 
 
 def sample_seed(seed: int, group_id: str, sample_index: int) -> int:
@@ -157,7 +165,7 @@ class EmbeddedEngine:
                     return
                 yield from self._sample_and_retire(batch)
 
-    def _prefill(self, seqs: list[_Sequence]) -> "_Batch":
+    def _prefill(self, seqs: list[_Sequence]) -> _Batch:
         import torch
 
         now = time.time()
@@ -173,7 +181,7 @@ class EmbeddedEngine:
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
         return _Batch(seqs, out.past_key_values, mask, positions[:, -1] + 1, out.logits[:, -1, :].float())
 
-    def _decode_step(self, batch: "_Batch") -> None:
+    def _decode_step(self, batch: _Batch) -> None:
         import torch
 
         ids = batch.last_tokens.unsqueeze(-1)  # [B, 1]
@@ -189,7 +197,7 @@ class EmbeddedEngine:
         batch.next_pos = batch.next_pos + 1
         batch.logits = out.logits[:, -1, :].float()
 
-    def _sample_and_retire(self, batch: "_Batch") -> Iterator[GeneratedSample]:
+    def _sample_and_retire(self, batch: _Batch) -> Iterator[GeneratedSample]:
         import torch
 
         tokens, logprobs = sample_tokens(batch.logits, batch.seqs, self.eos_token_id)
@@ -204,8 +212,15 @@ class EmbeddedEngine:
             stop = token == self.eos_token_id and not s.group.sampling.ignore_eos
             if stop or len(s.tokens) >= s.group.sampling.max_tokens:
                 yield GeneratedSample(
-                    s.group.group_id, s.sample_index, s.group.prompt_token_ids, s.tokens, s.logprobs,
-                    s.versions, "stop" if stop else "length", s.started_at, now,
+                    s.group.group_id,
+                    s.sample_index,
+                    s.group.prompt_token_ids,
+                    s.tokens,
+                    s.logprobs,
+                    s.versions,
+                    "stop" if stop else "length",
+                    s.started_at,
+                    now,
                 )
             else:
                 keep.append(row)
@@ -213,7 +228,7 @@ class EmbeddedEngine:
             batch.select(torch.tensor(keep, dtype=torch.long))
 
 
-def sample_tokens(logits: "torch.Tensor", seqs: list[_Sequence], eos_token_id: int) -> tuple["torch.Tensor", "torch.Tensor"]:
+def sample_tokens(logits: torch.Tensor, seqs: list[_Sequence], eos_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row; return it and its logprob under the distribution it was drawn from.
 
     logits: [B, V] float32. Each row uses its own temperature and top-p. Gumbel-max on the processed
@@ -248,7 +263,7 @@ def _signed(c: int) -> int:
 _GOLDEN, _MIX1, _MIX2 = _signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
 
 
-def counter_uniform(seeds: "torch.Tensor", positions: "torch.Tensor", vocab: int) -> "torch.Tensor":
+def counter_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
     """Uniform (0, 1) noise [B, V] from a splitmix64 hash of (seed, position, index): stateless and
     vectorised, so no per-row generator is needed. Integer overflow wraps, as the hash intends."""
     import torch
@@ -262,25 +277,11 @@ def counter_uniform(seeds: "torch.Tensor", positions: "torch.Tensor", vocab: int
     return ((mantissa.to(torch.float64) + 0.5) * 2.0**-53).to(torch.float32).clamp(1e-12, 1 - 1e-7)
 
 
-def _top_p_filter(scaled: "torch.Tensor", top_ps: "torch.Tensor") -> "torch.Tensor":
+def _top_p_filter(scaled: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
     """Keep the smallest set of tokens whose probability reaches top_p (per row); mask the rest."""
+    from models.policy import nucleus_drop  # the trainer's scoring uses the same rule
+
     return scaled.masked_fill(nucleus_drop(scaled, top_ps.unsqueeze(-1)), float("-inf"))
-
-
-def nucleus_drop(scaled: "torch.Tensor", top_ps: "torch.Tensor") -> "torch.Tensor":
-    """Which tokens top-p sampling excludes: True outside the nucleus.
-
-    scaled: [..., V] temperature-scaled logits; top_ps: [..., 1], broadcast against them. The nucleus
-    is the smallest set of most likely tokens whose probability reaches top_p. The trainer calls this
-    too (models/policy.token_logprobs), so both sides renormalise over the same set.
-    """
-    import torch
-
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)
-    probs = sorted_logits.softmax(-1)
-    before = probs.cumsum(-1) - probs  # mass of strictly more likely tokens
-    drop_sorted = before >= top_ps
-    return torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
 
 
 @dataclass
@@ -289,20 +290,20 @@ class _Batch:
 
     seqs: list[_Sequence]
     cache: object
-    mask: "torch.Tensor"  # [B, L] 1 for real tokens
-    next_pos: "torch.Tensor"  # [B] position id of the next token
-    logits: "torch.Tensor"  # [B, V] logits for the next token
-    last_tokens: "torch.Tensor | None" = None
+    mask: torch.Tensor  # [B, L] 1 for real tokens
+    next_pos: torch.Tensor  # [B] position id of the next token
+    logits: torch.Tensor  # [B, V] logits for the next token
+    last_tokens: torch.Tensor | None = None
 
     @classmethod
-    def empty(cls) -> "_Batch":
+    def empty(cls) -> _Batch:
         return cls([], None, None, None, None)  # type: ignore[arg-type]
 
     @property
     def size(self) -> int:
         return len(self.seqs)
 
-    def select(self, rows: "torch.Tensor") -> None:
+    def select(self, rows: torch.Tensor) -> None:
         self.seqs = [self.seqs[i] for i in rows.tolist()]
         if not self.seqs:
             self.cache = None
@@ -311,7 +312,7 @@ class _Batch:
         self.mask, self.next_pos, self.logits = self.mask[rows], self.next_pos[rows], self.logits[rows]
         self.last_tokens = self.last_tokens[rows]
 
-    def merge(self, new: "_Batch") -> "_Batch":
+    def merge(self, new: _Batch) -> _Batch:
         """Join a freshly prefilled wave to the running batch; both must have logits ready.
 
         Rows of different lengths share one cache by left-padding the shorter side with masked zeros.
@@ -323,7 +324,7 @@ class _Batch:
 
         width = max(self.mask.shape[1], new.mask.shape[1])
 
-        def pad(t: "torch.Tensor", dim: int) -> "torch.Tensor":
+        def pad(t: torch.Tensor, dim: int) -> torch.Tensor:
             missing = width - t.shape[dim]
             if missing == 0:
                 return t

@@ -30,12 +30,12 @@ if TYPE_CHECKING:
 
 @dataclass
 class LossInputs:
-    logprobs: "torch.Tensor"  # [B, T] trainer logprobs, with grad
-    behaviour_logprobs: "torch.Tensor"  # [B, T] engine logprobs
-    advantages: "torch.Tensor"  # [B]
-    mask: "torch.Tensor"  # [B, T] 1.0 on completion tokens
-    proximal_logprobs: "torch.Tensor | None" = None  # [B, T]
-    ref_logprobs: "torch.Tensor | None" = None  # [B, T] reference policy, for the KL penalty
+    logprobs: torch.Tensor  # [B, T] trainer logprobs, with grad
+    behaviour_logprobs: torch.Tensor  # [B, T] engine logprobs
+    advantages: torch.Tensor  # [B]
+    mask: torch.Tensor  # [B, T] 1.0 on completion tokens
+    proximal_logprobs: torch.Tensor | None = None  # [B, T]
+    ref_logprobs: torch.Tensor | None = None  # [B, T] reference policy, for the KL penalty
     max_tokens: int | None = None  # the sampling limit on completion tokens; dr_grpo divides by B * it
 
 
@@ -50,7 +50,7 @@ class LossSettings:
 
 @dataclass
 class LossOutput:
-    loss: "torch.Tensor"  # scalar, differentiable
+    loss: torch.Tensor  # scalar, differentiable
     clip_fraction: float  # share of tokens whose ratio left the trust region in the direction of A
     ratio_mean: float
     tis_mean: float  # mean truncated importance weight (1.0 when engine and trainer agree)
@@ -58,11 +58,11 @@ class LossOutput:
     kl: float  # k3 estimate of KL(pi_theta || ref), 0 without a reference
 
 
-def masked_mean(x: "torch.Tensor", mask: "torch.Tensor") -> "torch.Tensor":
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1.0)
 
 
-def aggregate(per_token: "torch.Tensor", mask: "torch.Tensor", how: str, max_tokens: int | None = None) -> "torch.Tensor":
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, how: str, max_tokens: int | None = None) -> torch.Tensor:
     """[B, T] -> scalar. ``max_tokens`` (the sampling limit) is needed by 'dr_grpo' only."""
     if how == "token":
         return masked_mean(per_token, mask)
@@ -71,7 +71,9 @@ def aggregate(per_token: "torch.Tensor", mask: "torch.Tensor", how: str, max_tok
         return per_sample.mean()
     if how == "dr_grpo":
         if not max_tokens or max_tokens < 1:
-            raise ValueError("loss aggregation 'dr_grpo' divides by samples x max_tokens; pass the sampling limit max_tokens >= 1")
+            raise ValueError(
+                "loss aggregation 'dr_grpo' divides by samples x max_tokens; pass the sampling limit max_tokens >= 1"
+            )
         return (per_token * mask).sum() / (per_token.shape[0] * max_tokens)
     raise ValueError(f"unknown loss aggregation {how!r}; use 'token', 'sequence' or 'dr_grpo'")
 
@@ -101,7 +103,11 @@ def policy_loss(x: LossInputs, s: LossSettings) -> LossOutput:
     loss = aggregate(per_token, mask, s.aggregation, x.max_tokens)
     with torch.no_grad():
         was_clipped = ((ratio * adv) > (clipped * adv)).float()
-        truncated = (tis < torch.exp(proximal - x.behaviour_logprobs) - 1e-12).float() if x.proximal_logprobs is not None else torch.zeros_like(ratio)
+        truncated = (
+            (tis < torch.exp(proximal - x.behaviour_logprobs) - 1e-12).float()
+            if x.proximal_logprobs is not None
+            else torch.zeros_like(ratio)
+        )
         return LossOutput(
             loss=loss,
             clip_fraction=float(masked_mean(was_clipped, mask)),
@@ -112,7 +118,7 @@ def policy_loss(x: LossInputs, s: LossSettings) -> LossOutput:
         )
 
 
-def logprob_mismatch(trainer: "torch.Tensor", engine: "torch.Tensor", mask: "torch.Tensor") -> dict[str, float]:
+def logprob_mismatch(trainer: torch.Tensor, engine: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     """How far the engine's logprobs are from the trainer's on the same tokens and weights.
 
     trainer, engine, mask: [B, T]. Returns mean and max |delta|, a k3 estimate of KL(mu || pi), and the

@@ -17,14 +17,21 @@ if TYPE_CHECKING:
 WEIGHTS_FILE = "model.safetensors"
 REQUIRED_FILES = ("config.json", "tokenizer_config.json")
 
-_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}
+_DTYPES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+}
 
 
 class PolicyLoadError(ValueError):
     pass
 
 
-def torch_dtype(name: str) -> "torch.dtype":
+def torch_dtype(name: str) -> torch.dtype:
     import torch
 
     try:
@@ -36,12 +43,17 @@ def torch_dtype(name: str) -> "torch.dtype":
 def check_policy_dir(path: str) -> None:
     """Fail with one line naming what is missing, before any heavy import."""
     if not os.path.isdir(path):
-        raise PolicyLoadError(f"policy directory {path} does not exist; set policy.base_model to a Hugging Face causal-LM directory or 'builtin'")
+        raise PolicyLoadError(
+            f"policy directory {path} does not exist; set policy.base_model to a Hugging Face causal-LM directory or "
+            "'builtin'"
+        )
     missing = [f for f in REQUIRED_FILES if not os.path.exists(os.path.join(path, f))]
     if not any(f.endswith((".safetensors", ".bin")) for f in os.listdir(path)):
         missing.append("model weights (*.safetensors)")
     if missing:
-        raise PolicyLoadError(f"policy directory {path} is missing {', '.join(missing)}; point to a complete Hugging Face checkpoint")
+        raise PolicyLoadError(
+            f"policy directory {path} is missing {', '.join(missing)}; point to a complete Hugging Face checkpoint"
+        )
 
 
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
@@ -58,7 +70,9 @@ def context_length(path: str) -> int | None:
         with open(os.path.join(path, "config.json")) as f:
             config = json.load(f)
     except (OSError, ValueError) as exc:
-        raise PolicyLoadError(f"policy directory {path}: config.json is unreadable ({exc}); point to a complete Hugging Face checkpoint") from None
+        raise PolicyLoadError(
+            f"policy directory {path}: config.json is unreadable ({exc}); point to a complete Hugging Face checkpoint"
+        ) from None
     for scope in (config, config.get("text_config") or {}):
         for key in _CONTEXT_KEYS:
             if isinstance(scope.get(key), int) and scope[key] > 0:
@@ -80,7 +94,7 @@ def load_policy(path: str, dtype: str = "float32") -> tuple[Any, Any]:
     return model.eval(), tokenizer
 
 
-def load_state_dict(path: str) -> dict[str, "torch.Tensor"]:
+def load_state_dict(path: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(os.path.join(path, WEIGHTS_FILE))
@@ -104,9 +118,9 @@ class TokenBatch:
     completion_mask: [B, T-1] 1 where the *target* token (position t+1) is a completion token
     """
 
-    input_ids: "torch.Tensor"
-    attention_mask: "torch.Tensor"
-    completion_mask: "torch.Tensor"
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    completion_mask: torch.Tensor
 
 
 def pack_sequences(prompts: list[list[int]], completions: list[list[int]], pad_token_id: int) -> TokenBatch:
@@ -126,13 +140,31 @@ def pack_sequences(prompts: list[list[int]], completions: list[list[int]], pad_t
     return TokenBatch(ids, attn, comp[:, 1:])
 
 
-def token_logprobs(model: Any, batch: TokenBatch, temperature: float = 1.0,
-                   top_p: "torch.Tensor | None" = None) -> "torch.Tensor":
+def nucleus_drop(scaled: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+    """Which tokens top-p sampling excludes: True outside the nucleus.
+
+    scaled: [..., V] temperature-scaled logits; top_ps: [..., 1], broadcast against them. The nucleus
+    is the smallest set of most likely tokens whose probability reaches top_p. The embedded engine
+    samples from it (models/engine.py) and the trainer scores under it (``token_logprobs``), so both
+    sides renormalise over the same set.
+    """
+    import torch
+
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(-1)
+    before = probs.cumsum(-1) - probs  # mass of strictly more likely tokens
+    drop_sorted = before >= top_ps
+    return torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+
+
+def token_logprobs(
+    model: Any, batch: TokenBatch, temperature: float = 1.0, top_p: torch.Tensor | None = None
+) -> torch.Tensor:
     """Log-probabilities of each next token under the model's sampling distribution: [B, T-1].
 
     The engine reports logprobs under the distribution it sampled from, so the trainer scores that
     same distribution for the ratio to mean anything: logits / ``temperature`` and, where a row's
-    ``top_p`` ([B]) is below 1, renormalised over that row's nucleus (models/engine.nucleus_drop),
+    ``top_p`` ([B]) is below 1, renormalised over that row's nucleus (``nucleus_drop``),
     which is the probability the sampled token really had. The nucleus is chosen from the current
     logits without gradient; the token being scored always stays in it, so a token that left the
     nucleus after an update gets a small probability rather than -inf (a finite ratio, no NaN).
@@ -146,8 +178,6 @@ def token_logprobs(model: Any, batch: TokenBatch, temperature: float = 1.0,
         logits = logits / temperature
     targets = batch.input_ids[:, 1:].unsqueeze(-1)  # [B, T-1, 1]
     if top_p is not None and bool((top_p < 1).any()):
-        from models.engine import nucleus_drop
-
         ps = top_p.to(logits.dtype).view(-1, 1, 1)  # [B, 1, 1]
         drop = nucleus_drop(logits.detach(), ps).scatter(-1, targets, False)  # [B, T-1, V]
         logits = logits.masked_fill(drop, float("-inf"))

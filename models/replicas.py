@@ -20,7 +20,8 @@ from __future__ import annotations
 import hashlib
 import time
 from collections import deque
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 from models.engine import EngineInfo, GeneratedSample, GroupRequest
 
@@ -80,15 +81,23 @@ class ReplicaRouter:
         try:
             described = ray.get([a.describe.remote() for a in actors], timeout=START_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
-            raise RuntimeError(f"{len(actors)} engine replicas did not start within {START_TIMEOUT_S} s; the Ray cluster "
-                               f"has {ray.available_resources()} free: lower rollout.replicas or add nodes") from None
+            raise RuntimeError(
+                f"{len(actors)} engine replicas did not start within {START_TIMEOUT_S} s; the Ray cluster "
+                f"has {ray.available_resources()} free: lower rollout.replicas or add nodes"
+            ) from None
         self.info: EngineInfo = described[0][0]
         self.policy_version: int = described[0][1]
         self.routed = [0] * len(actors)  # groups sent to each replica (over this router's life)
 
     @classmethod
-    def start(cls, build: Callable[[], Any], replicas: int, cpus_per_replica: float = 1.0, gpus_per_replica: float = 0.0,
-              groups_per_call: int = 64) -> "ReplicaRouter":
+    def start(
+        cls,
+        build: Callable[[], Any],
+        replicas: int,
+        cpus_per_replica: float = 1.0,
+        gpus_per_replica: float = 0.0,
+        groups_per_call: int = 64,
+    ) -> ReplicaRouter:
         """Start ``replicas`` actors on the connected Ray cluster (``ray.init`` must have run)."""
         import ray
 
@@ -119,7 +128,11 @@ class ReplicaRouter:
                 # Groups are routed by prompt, so filling one idle replica may queue groups for others;
                 # the buffer cap bounds how far ahead of the engines the caller's feed is read.
                 cap = self.groups_per_call * len(self.actors)
-                while not exhausted and sum(map(len, queues)) < cap and any(wants_more(r) for r in range(len(self.actors))):
+                while (
+                    not exhausted
+                    and sum(map(len, queues)) < cap
+                    and any(wants_more(r) for r in range(len(self.actors)))
+                ):
                     group = next(feed, None)
                     if group is None:
                         exhausted = True

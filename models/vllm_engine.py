@@ -22,8 +22,9 @@ from __future__ import annotations
 import itertools
 import os
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 from models.engine import EngineInfo, GeneratedSample, GroupRequest, sample_seed
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from storage.lineage import LineageError
+from storage.lineage import LineageError, parse_model_version
 from storage.paths import StorageRoot
 
 NO_PARENT = "none"
@@ -40,13 +40,6 @@ class LineageStep:
     evaluation: dict[str, str] = field(default_factory=dict)
 
 
-def parse_model_version(ref: str) -> tuple[str, str]:
-    name, sep, version = ref.rpartition("/")
-    if not sep or not name or not version.isdigit():
-        raise AuditError(f"model version {ref!r} must look like NAME/VERSION, e.g. rlrounds-policy/3")
-    return name, version
-
-
 def derivation_of(root: StorageRoot, trajectory_version: str, limit: int = 100) -> list[dict]:
     """What each manifest in the version's chain says about how it was made, nearest first."""
     from storage.trajectories import TrajectoryStoreError, find_version
@@ -60,12 +53,20 @@ def derivation_of(root: StorageRoot, trajectory_version: str, limit: int = 100) 
             out.append({"version": version, "kind": "missing", "error": str(exc)})
             break
         d = manifest.derivation
-        entry: dict[str, Any] = {"version": manifest.version, "kind": manifest.kind, "run_id": manifest.body.get("run_id"),
-                                 "round": manifest.body.get("round"), "rows": manifest.rows, "uri": manifest.directory}
+        entry: dict[str, Any] = {
+            "version": manifest.version,
+            "kind": manifest.kind,
+            "run_id": manifest.body.get("run_id"),
+            "round": manifest.body.get("round"),
+            "rows": manifest.rows,
+            "uri": manifest.directory,
+        }
         if manifest.parent:
             entry.update(parent=manifest.parent, where=d.get("where"), regroup=d.get("regroup", False))
         else:
-            entry.update(target_groups=d.get("target_groups"), policy_version=d.get("policy_version"), filter=d.get("filter"))
+            entry.update(
+                target_groups=d.get("target_groups"), policy_version=d.get("policy_version"), filter=d.get("filter")
+            )
         out.append(entry)
         version = manifest.parent
     return out
@@ -78,37 +79,44 @@ def walk(tracker: Any, root: StorageRoot, ref: str, limit: int = 10_000) -> list
     current = ref
     while current != NO_PARENT:
         if current in seen or len(steps) >= limit:
-            raise AuditError(f"lineage of {ref} loops at {current}; the registry's parent_model_version tags are inconsistent")
+            raise AuditError(
+                f"lineage of {ref} loops at {current}; the registry's parent_model_version tags are inconsistent"
+            )
         seen.add(current)
         name, version = parse_model_version(current)
         try:
             mv = tracker.model_version(name, version)
         except Exception as exc:  # noqa: BLE001 -- MLflow raises its own types for a missing version
             where = "" if not steps else f" (parent of {steps[-1].model_version})"
-            raise AuditError(f"no registered model version {current}{where}: {str(exc).splitlines()[0] if str(exc) else exc}") from None
+            raise AuditError(
+                f"no registered model version {current}{where}: {str(exc).splitlines()[0] if str(exc) else exc}"
+            ) from None
         tags = dict(mv.tags or {})
         parent = tags.get("parent_model_version", NO_PARENT)
         trajectory = tags.get("trajectory_version", NO_PARENT)
-        steps.append(LineageStep(
-            model_version=current,
-            round=tags.get("round", "?"),
-            kind=tags.get("kind") or ("base" if parent == NO_PARENT else "round"),
-            run_id=tags.get("run_id", ""),
-            parent_model_version=parent,
-            trajectory_version=trajectory,
-            derivation=derivation_of(root, trajectory) if trajectory != NO_PARENT else [],
-            config_hash=tags.get("config_hash", ""),
-            code_version=tags.get("code_version", ""),
-            prefect_flow_run_id=tags.get("prefect_flow_run_id", ""),
-            base_model=tags.get("base_model", ""),
-            checkpoint=str(mv.source or ""),
-            evaluation={k.removeprefix("eval."): v for k, v in sorted(tags.items()) if k.startswith("eval.")},
-        ))
+        steps.append(
+            LineageStep(
+                model_version=current,
+                round=tags.get("round", "?"),
+                kind=tags.get("kind") or ("base" if parent == NO_PARENT else "round"),
+                run_id=tags.get("run_id", ""),
+                parent_model_version=parent,
+                trajectory_version=trajectory,
+                derivation=derivation_of(root, trajectory) if trajectory != NO_PARENT else [],
+                config_hash=tags.get("config_hash", ""),
+                code_version=tags.get("code_version", ""),
+                prefect_flow_run_id=tags.get("prefect_flow_run_id", ""),
+                base_model=tags.get("base_model", ""),
+                checkpoint=str(mv.source or ""),
+                evaluation={k.removeprefix("eval."): v for k, v in sorted(tags.items()) if k.startswith("eval.")},
+            )
+        )
         current = parent
     return steps
 
 
 # -- presentation ---------------------------------------------------------------------------------
+
 
 def describe_derivation(chain: list[dict]) -> str:
     if not chain:
@@ -121,8 +129,11 @@ def describe_derivation(chain: list[dict]) -> str:
             regroup = ", regrouped" if entry.get("regroup") else ""
             parts.append(f"{entry['version']} derived where {entry.get('where')!r}{regroup}: {entry['rows']} rows")
         else:
-            parts.append(f"{entry['version']} {entry['kind']} of run {entry['run_id']} round {entry['round']}: {entry['rows']} rows, "
-                         f"target {entry.get('target_groups')} groups, sampled by policy version {entry.get('policy_version')}")
+            parts.append(
+                f"{entry['version']} {entry['kind']} of run {entry['run_id']} round {entry['round']}: "
+                f"{entry['rows']} rows, "
+                f"target {entry.get('target_groups')} groups, sampled by policy version {entry.get('policy_version')}"
+            )
     return " <- ".join(parts)
 
 
@@ -133,7 +144,9 @@ def describe_evaluation(evaluation: dict[str, str]) -> str:
         text = f"accuracy {float(evaluation['accuracy']):.1%}"
     except ValueError:
         text = f"accuracy {evaluation['accuracy']}"
-    text += f" ({evaluation.get('engine', '?')} {evaluation.get('dtype', '?')}, {evaluation.get('prompts', '?')} prompts)"
+    text += (
+        f" ({evaluation.get('engine', '?')} {evaluation.get('dtype', '?')}, {evaluation.get('prompts', '?')} prompts)"
+    )
     at_train = evaluation.get("accuracy_train_precision")
     if at_train is not None and at_train != evaluation["accuracy"]:
         text += f"; at training precision {at_train}"

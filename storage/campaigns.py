@@ -26,7 +26,12 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
+from storage.files import NoExclusiveCreate, create_exclusive, write_atomic
 from storage.paths import StorageRoot
+
+RECORD_VERSION = 2
+"""The format of the stage records and how flows/stages.py derives their inputs keys. Bump it when
+either changes: a campaign recorded under another version is refused, never resumed wrongly."""
 
 
 class CampaignError(RuntimeError):
@@ -43,23 +48,29 @@ class Owner:
     claimed_at: float
 
     def describe(self) -> str:
-        return f"pid {self.pid} on host {self.host} (since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(self.claimed_at))})"
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.claimed_at))
+        return f"pid {self.pid} on host {self.host} (since {since})"
 
 
 _HELD: set[str] = set()  # tokens this process holds; released when its campaign flow ends
 
 
-def _process_started(pid: int) -> str | None:
+def process_started(pid: int) -> str | None:
+    """A running process's start time (clock ticks since boot), so a reused pid is never taken for the
+    process it replaced; None when no such process runs (a zombie has exited)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]  # field 22, starttime; the name may hold spaces
-    except (OSError, IndexError):
+            fields = f.read().rsplit(")", 1)[1].split()  # the name before ")" may hold spaces
+    except OSError:
         return None
+    if len(fields) < 20 or fields[0] == "Z":  # fields[0] is the state, fields[19] field 22, starttime
+        return None
+    return fields[19]
 
 
 def _this_process(generation: int) -> Owner:
     pid = os.getpid()
-    return Owner(secrets.token_hex(8), pid, socket.gethostname(), _process_started(pid), generation, time.time())
+    return Owner(secrets.token_hex(8), pid, socket.gethostname(), process_started(pid), generation, time.time())
 
 
 def owner_alive(owner: Owner) -> bool | None:
@@ -76,41 +87,31 @@ def owner_alive(owner: Owner) -> bool | None:
         return False
     except PermissionError:
         pass  # exists, under another user
-    started = _process_started(owner.pid)
+    started = process_started(owner.pid)
     return not (owner.pid_started and started and started != owner.pid_started)
 
 
 # -- files created once ---------------------------------------------------------------------------
 
 
-def _create_exclusive(root: StorageRoot, path: str, body: dict[str, Any]) -> bool:
-    """Write ``path`` only if it does not exist, all at once; False when another writer got there first."""
-    data = json.dumps(body, indent=2, sort_keys=True).encode()
-    root.fs.makedirs(posixpath.dirname(path), exist_ok=True)
-    if root.is_local:
-        final = path.removeprefix("file://")
-        tmp = f"{final}.{secrets.token_hex(4)}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        try:
-            os.link(tmp, final)  # atomic, and fails if the name exists: never a half-written claim
-            return True
-        except FileExistsError:
-            return False
-        finally:
-            os.unlink(tmp)
-    if root.fs.exists(path):
-        return False
-    try:  # a conditional put (S3 If-None-Match) where the store offers one
-        root.fs.pipe_file(path, data, mode="create")
-        return True
-    except FileExistsError:
-        return False
-    except (TypeError, NotImplementedError, ValueError):  # no conditional writes: check, write, read back
-        root.fs.pipe_file(path, data)
-        return root.fs.cat_file(path) == data
+def _claim_file(root: StorageRoot, path: str, data: bytes) -> bool:
+    try:
+        return create_exclusive(root, path, data)
+    except NoExclusiveCreate as exc:
+        raise CampaignError(str(exc)) from None
+
+
+def _json(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, indent=2, sort_keys=True, default=str).encode()
+
+
+def check_record_version(found: Any, what: str) -> None:
+    if found != RECORD_VERSION:
+        raise CampaignError(
+            f"{what} was recorded by another version of rlrounds (stage records v{found}, this code reads "
+            f"v{RECORD_VERSION}) and cannot be resumed by it; start a new run id (`rlrounds run --run-id NEW_ID`), "
+            "or resume it with the code that started it"
+        )
 
 
 def _read_json(root: StorageRoot, path: str) -> dict | None:
@@ -127,7 +128,9 @@ def read_campaign(root: StorageRoot, run_id: str) -> dict | None:
     try:
         return _read_json(root, path)
     except ValueError:
-        raise CampaignError(f"{path} is not valid JSON; restore it, or start the campaign under a new --run-id") from None
+        raise CampaignError(
+            f"{path} is not valid JSON; restore it, or start the campaign under a new --run-id"
+        ) from None
 
 
 def current_owner(root: StorageRoot, run_id: str, record: dict) -> Owner:
@@ -151,8 +154,15 @@ def describe_difference(stored: dict, given: dict, prefix: str = "") -> list[str
     return out
 
 
-def claim(root: StorageRoot, run_id: str, config: dict, identity: dict, mode: Literal["new", "resume", "auto"],
-          takeover: bool = False, dry_run: bool = False) -> Owner | None:
+def claim(
+    root: StorageRoot,
+    run_id: str,
+    config: dict,
+    identity: dict,
+    mode: Literal["new", "resume", "auto"],
+    takeover: bool = False,
+    dry_run: bool = False,
+) -> Owner | None:
     """Make this process the campaign's only writer, or fail with one line naming the fix.
 
     config: the whole campaign config (stored, so a resume can reuse it); identity: the part a resume
@@ -162,35 +172,56 @@ def claim(root: StorageRoot, run_id: str, config: dict, identity: dict, mode: Li
     record = read_campaign(root, run_id)
     if record is None:
         if mode == "resume":
-            raise CampaignError(f"no campaign {run_id!r} under {root.uri}; check --storage, or start it with `rlrounds run --run-id {run_id}`")
+            raise CampaignError(
+                f"no campaign {run_id!r} under {root.uri}; check --storage, or start it with `rlrounds run --run-id "
+                f"{run_id}`"
+            )
         if dry_run:
             return None
         owner = _this_process(0)
-        body = {"run_id": run_id, "identity": identity, "config": config, "created_at": time.time(), "owner": asdict(owner)}
-        if not _create_exclusive(root, root.campaign_file(run_id), body):
-            raise CampaignError(f"campaign {run_id!r} was started by another process a moment ago; "
-                                f"pick another --run-id, or resume it later with `rlrounds run --resume {run_id}`")
+        body = {
+            "run_id": run_id,
+            "identity": identity,
+            "config": config,
+            "created_at": time.time(),
+            "owner": asdict(owner),
+            "record_version": RECORD_VERSION,
+        }
+        if not _claim_file(root, root.campaign_file(run_id), _json(body)):
+            raise CampaignError(
+                f"campaign {run_id!r} was started by another process a moment ago; "
+                f"pick another --run-id, or resume it later with `rlrounds run --resume {run_id}`"
+            )
         _HELD.add(owner.token)
         return owner
     if mode == "new":
-        raise CampaignError(f"run id {run_id!r} already holds a campaign under {root.uri}; "
-                            f"resume it with `rlrounds run --resume {run_id}` or pick another --run-id")
+        raise CampaignError(
+            f"run id {run_id!r} already holds a campaign under {root.uri}; "
+            f"resume it with `rlrounds run --resume {run_id}` or pick another --run-id"
+        )
+    check_record_version(record.get("record_version", 1), f"campaign {run_id!r}")
     if record.get("identity") != identity:
         diff = describe_difference(record.get("identity") or {}, identity)
         more = f" (and {len(diff) - 3} more)" if len(diff) > 3 else ""
-        raise CampaignError(f"campaign {run_id!r} was started with another config: {'; '.join(diff[:3])}{more}; "
-                            "resume without --config to use the stored one, or start a new --run-id")
+        raise CampaignError(
+            f"campaign {run_id!r} was started with another config: {'; '.join(diff[:3])}{more}; "
+            "resume without --config to use the stored one, or start a new --run-id"
+        )
     owner = current_owner(root, run_id, record)
     alive = owner_alive(owner)
     if alive:
-        raise CampaignError(f"campaign {run_id!r} is still running as {owner.describe()}; wait for it or stop it before resuming")
+        raise CampaignError(
+            f"campaign {run_id!r} is still running as {owner.describe()}; wait for it or stop it before resuming"
+        )
     if alive is None and not takeover:
-        raise CampaignError(f"campaign {run_id!r} is owned by {owner.describe()}, which cannot be checked from this host; "
-                            "if that process is gone, resume with --takeover")
+        raise CampaignError(
+            f"campaign {run_id!r} is owned by {owner.describe()}, which cannot be checked from this host; "
+            "if that process is gone, resume with --takeover"
+        )
     if dry_run:
         return None
     successor = _this_process(owner.generation + 1)
-    if not _create_exclusive(root, root.campaign_owner(run_id, successor.generation), asdict(successor)):
+    if not _claim_file(root, root.campaign_owner(run_id, successor.generation), _json(asdict(successor))):
         raise CampaignError(f"campaign {run_id!r} was resumed by another process a moment ago; let that one finish")
     _HELD.add(successor.token)
     return successor
@@ -214,7 +245,10 @@ def stored_config(root: StorageRoot, run_id: str) -> dict:
     """The config a campaign was started with (what `rlrounds run --resume` runs when given none)."""
     record = read_campaign(root, run_id)
     if record is None:
-        raise CampaignError(f"no campaign {run_id!r} under {root.uri}; check --storage, or start it with `rlrounds run --run-id {run_id}`")
+        raise CampaignError(
+            f"no campaign {run_id!r} under {root.uri}; check --storage, or start it with `rlrounds run --run-id "
+            f"{run_id}`"
+        )
     return record["config"]
 
 
@@ -230,22 +264,24 @@ def read_stage(root: StorageRoot, run_id: str, round_index: int, stage: str, inp
         return None  # a crash mid-write: the stage runs again, and it is idempotent
     if body is None:
         return None
+    check_record_version(
+        body.get("record_version", 1), f"round {round_index} stage {stage!r} of campaign {run_id!r} ({path})"
+    )
     if body.get("inputs") != inputs:
-        raise CampaignError(f"round {round_index} stage {stage!r} of campaign {run_id!r} was committed from other inputs "
-                            f"({path}); resume with the config the campaign was started with, or start a new --run-id")
+        raise CampaignError(
+            f"round {round_index} stage {stage!r} of campaign {run_id!r} was committed from other inputs "
+            f"({path}); resume with the config the campaign was started with, or start a new --run-id"
+        )
     return body["output"]
 
 
 def write_stage(root: StorageRoot, run_id: str, round_index: int, stage: str, inputs: str, output: dict) -> None:
-    path = root.stage_record(run_id, round_index, stage)
-    data = json.dumps({"stage": stage, "round": round_index, "inputs": inputs, "committed_at": time.time(), "output": output},
-                      indent=2, sort_keys=True, default=str).encode()
-    root.fs.makedirs(posixpath.dirname(path), exist_ok=True)
-    if root.is_local:  # rename into place: readers never see a half-written record
-        final = path.removeprefix("file://")
-        tmp = f"{final}.{secrets.token_hex(4)}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, final)
-    else:  # an object store's PUT is all-or-nothing
-        root.fs.pipe_file(path, data)
+    body = {
+        "stage": stage,
+        "round": round_index,
+        "record_version": RECORD_VERSION,
+        "inputs": inputs,
+        "committed_at": time.time(),
+        "output": output,
+    }
+    write_atomic(root, root.stage_record(run_id, round_index, stage), _json(body))

@@ -13,6 +13,7 @@ import os
 import shutil
 import tempfile
 
+from storage.files import write_atomic
 from storage.paths import LINEAGE, StorageRoot, child, lineage_of, local_cache_dir
 
 
@@ -30,8 +31,7 @@ def commit_checkpoint(root: StorageRoot, local_dir: str, target: str, lineage: d
         if name == LINEAGE:
             continue
         fs.put_file(os.path.join(local_dir, name), child(target, name))
-    with fs.open(lineage_of(target), "w") as f:
-        json.dump(lineage, f, indent=2, sort_keys=True)
+    write_atomic(root, lineage_of(target), json.dumps(lineage, indent=2, sort_keys=True).encode())
     return target
 
 
@@ -44,7 +44,9 @@ def read_lineage(root: StorageRoot, checkpoint_uri: str) -> dict:
         with root.fs.open(lineage_of(checkpoint_uri), "r") as f:
             return json.load(f)
     except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {checkpoint_uri} is not committed (no {LINEAGE}); re-run its round") from None
+        raise CheckpointError(
+            f"checkpoint {checkpoint_uri} is not committed (no {LINEAGE}); re-run its round"
+        ) from None
 
 
 def base_checkpoint(root: StorageRoot, checkpoint_uri: str) -> str:
@@ -65,7 +67,9 @@ def base_checkpoint(root: StorageRoot, checkpoint_uri: str) -> str:
         if not lineage.get("parent_checkpoint"):
             return uri
         uri = lineage["parent_checkpoint"]
-    raise CheckpointError(f"checkpoint lineage of {checkpoint_uri} loops back to {uri}; its lineage.json files are corrupt")
+    raise CheckpointError(
+        f"checkpoint lineage of {checkpoint_uri} loops back to {uri}; its lineage.json files are corrupt"
+    )
 
 
 def _lineage_if_any(root: StorageRoot, checkpoint_uri: str) -> dict | None:
@@ -92,7 +96,9 @@ def local_copy(root: StorageRoot, checkpoint_uri: str) -> str:
     target = os.path.join(local_cache_dir(), "checkpoints", stamp)
     if os.path.exists(os.path.join(target, LINEAGE)):
         return target
-    staging = tempfile.mkdtemp(prefix="ckpt-", dir=os.path.dirname(target) if os.path.isdir(os.path.dirname(target)) else None)
+    staging = tempfile.mkdtemp(
+        prefix="ckpt-", dir=os.path.dirname(target) if os.path.isdir(os.path.dirname(target)) else None
+    )
     for path in root.fs.ls(checkpoint_uri, detail=False):
         root.fs.get_file(path, os.path.join(staging, os.path.basename(path)))
     os.makedirs(os.path.dirname(target), exist_ok=True)

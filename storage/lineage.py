@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +34,14 @@ LINEAGE_TAGS = (
 
 class LineageError(RuntimeError):
     pass
+
+
+def parse_model_version(ref: str) -> tuple[str, str]:
+    """'NAME/VERSION' -> (name, version); the one parser of a registered model version reference."""
+    name, sep, version = ref.rpartition("/")
+    if not sep or not name or not version.isdigit():
+        raise LineageError(f"model version {ref!r} must look like NAME/VERSION, e.g. rlrounds-policy/3")
+    return name, version
 
 
 def tracking_uris(settings: Settings, root: StorageRoot) -> tuple[str, str]:
@@ -62,8 +72,26 @@ def probe_server(tracking: str, timeout_s: float = 5.0) -> None:
         pass  # something answered; whether it is MLflow, the first real call tells
     except (urllib.error.URLError, OSError, ValueError) as exc:
         reason = getattr(exc, "reason", None) or exc
-        raise LineageError(f"cannot reach MLflow at {tracking} ({reason}); start the tracking server, "
-                           "or set RLROUNDS_MLFLOW_URI to a reachable one (unset it to use SQLite in the storage root)") from None
+        raise LineageError(
+            f"cannot reach MLflow at {tracking} ({reason}); start the tracking server, "
+            "or set RLROUNDS_MLFLOW_URI to a reachable one (unset it to use SQLite in the storage root)"
+        ) from None
+
+
+SQLITE_BUSY_TIMEOUT_S = 120
+
+
+@contextmanager
+def _exclusive(lock_path: str) -> Iterator[None]:
+    """Hold an exclusive advisory lock on ``lock_path`` (created if needed) for the block."""
+    import fcntl
+
+    with open(lock_path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 @dataclass
@@ -72,7 +100,7 @@ class Tracker:
     artifact_location: str
 
     @classmethod
-    def connect(cls, settings: Settings, root: StorageRoot, must_exist: bool = False) -> "Tracker":
+    def connect(cls, settings: Settings, root: StorageRoot, must_exist: bool = False) -> Tracker:
         """``must_exist``: for read-only commands, refuse to create an empty SQLite store."""
         import logging
 
@@ -81,20 +109,44 @@ class Tracker:
         if settings.s3_endpoint:  # MLflow's S3 artifact store reads its endpoint from this variable only
             os.environ["MLFLOW_S3_ENDPOINT_URL"] = settings.s3_endpoint
         if tracking.startswith("sqlite:///"):
-            db = tracking.removeprefix("sqlite:///")
+            db = tracking.removeprefix("sqlite:///").split("?", 1)[0]
             if must_exist and not os.path.exists(db):
-                raise LineageError(f"no MLflow registry at {db}; run a campaign with this storage root first, "
-                                   "or set RLROUNDS_MLFLOW_URI to the tracking server the rounds used")
+                raise LineageError(
+                    f"no MLflow registry at {db}; run a campaign with this storage root first, "
+                    "or set RLROUNDS_MLFLOW_URI to the tracking server the rounds used"
+                )
             os.makedirs(os.path.dirname(db) or ".", exist_ok=True)
         if tracking.startswith(("http://", "https://")):
             probe_server(tracking)
         from mlflow import MlflowClient
 
+        if not tracking.startswith("sqlite:///"):
+            try:
+                client = MlflowClient(tracking_uri=tracking, registry_uri=tracking)
+                client.search_experiments(max_results=1)
+            except Exception as exc:
+                raise LineageError(
+                    f"cannot reach MLflow at {tracking}: {exc}; set RLROUNDS_MLFLOW_URI to a reachable tracking server"
+                ) from exc
+            return cls(client, artifacts)
+        # Many campaigns, rounds and replays may open one SQLite store at once. MLflow creates and
+        # migrates a new store on first use, and two processes migrating together break each other
+        # (duplicate tables, half-applied revisions), so one process at a time opens it. Writers then
+        # wait up to SQLITE_BUSY_TIMEOUT_S for each other's locks instead of failing at SQLite's 5 s.
+        uri = (
+            tracking
+            if "timeout=" in tracking
+            else f"{tracking}{'&' if '?' in tracking else '?'}timeout={SQLITE_BUSY_TIMEOUT_S}"
+        )
         try:
-            client = MlflowClient(tracking_uri=tracking, registry_uri=tracking)
-            client.search_experiments(max_results=1)
-        except Exception as exc:  # noqa: BLE001 -- any failure here means the store is unusable
-            raise LineageError(f"cannot reach MLflow at {tracking}: {exc}; set RLROUNDS_MLFLOW_URI to a reachable tracking server") from exc
+            with _exclusive(f"{db}.open-lock"):
+                client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+                client.search_experiments(max_results=1)
+        except Exception as exc:
+            raise LineageError(
+                f"the MLflow store {db} cannot be opened: {exc}; check that its directory is writable and the file "
+                "is an MLflow database, or set RLROUNDS_MLFLOW_URI to a tracking server"
+            ) from exc
         return cls(client, artifacts)
 
     # -- runs -----------------------------------------------------------------------------------
@@ -105,7 +157,7 @@ class Tracker:
             return exp.experiment_id
         try:
             return self.client.create_experiment(name, artifact_location=f"{self.artifact_location}/{name}")
-        except Exception:  # noqa: BLE001 -- created concurrently: read it back
+        except Exception:  # created concurrently: read it back
             exp = self.client.get_experiment_by_name(name)
             if exp is None:
                 raise
@@ -126,7 +178,9 @@ class Tracker:
             all_tags["mlflow.parentRunId"] = parent
         return self.client.create_run(experiment_id, tags=all_tags, run_name=name).info.run_id
 
-    def log(self, run_id: str, metrics: dict[str, float] | None = None, params: dict[str, Any] | None = None, step: int = 0) -> None:
+    def log(
+        self, run_id: str, metrics: dict[str, float] | None = None, params: dict[str, Any] | None = None, step: int = 0
+    ) -> None:
         from mlflow.entities import Metric, Param
 
         now = int(time.time() * 1000)
@@ -139,7 +193,9 @@ class Tracker:
         from mlflow.entities import Dataset, DatasetInput, InputTag
 
         dataset = Dataset(name=name, digest=digest, source_type="trajectory_store", source=source)
-        self.client.log_inputs(run_id, datasets=[DatasetInput(dataset, tags=[InputTag("mlflow.data.context", context)])])
+        self.client.log_inputs(
+            run_id, datasets=[DatasetInput(dataset, tags=[InputTag("mlflow.data.context", context)])]
+        )
 
     def log_text(self, run_id: str, text: str, artifact_file: str) -> None:
         self.client.log_text(run_id, text, artifact_file)
@@ -166,7 +222,9 @@ class Tracker:
         missing = [t for t in LINEAGE_TAGS if t not in tags]
         if missing:
             raise LineageError(f"refusing to register {name} without lineage tags: {', '.join(missing)}")
-        mv = self.client.create_model_version(name, source=source, run_id=run_id, tags={k: str(v) for k, v in tags.items()})
+        mv = self.client.create_model_version(
+            name, source=source, run_id=run_id, tags={k: str(v) for k, v in tags.items()}
+        )
         return str(mv.version)
 
     def tag_model_version(self, name: str, version: str, tags: dict[str, Any]) -> None:

@@ -36,7 +36,7 @@ class StorageRoot:
     uri: str
 
     @classmethod
-    def of(cls, uri: str) -> "StorageRoot":
+    def of(cls, uri: str) -> StorageRoot:
         if "://" not in uri:
             uri = os.path.abspath(os.path.expanduser(uri))
         return cls(uri.rstrip("/"))
@@ -67,12 +67,6 @@ class StorageRoot:
     def base_policy(self, name: str) -> str:
         return self.join("base", name)
 
-    def runs(self) -> str:
-        return self.join("runs")
-
-    def run(self, run_id: str) -> str:
-        return self.join("runs", run_id)
-
     def campaign_file(self, run_id: str) -> str:
         return self.join("runs", run_id, "campaign.json")
 
@@ -84,9 +78,6 @@ class StorageRoot:
 
     def stage_record(self, run_id: str, round_index: int, stage: str) -> str:
         return self.join("runs", run_id, "rounds", round_index, "stages", f"{stage}.json")
-
-    def round_dir(self, run_id: str, round_index: int) -> str:
-        return self.join("runs", run_id, "rounds", round_index)
 
     def staging(self, run_id: str, round_index: int) -> str:
         return self.join("runs", run_id, "rounds", round_index, "staging")
@@ -145,11 +136,6 @@ class StorageRoot:
 
 def manifest_of(version_dir: str) -> str:
     return posixpath.join(version_dir, MANIFEST)
-
-
-def manifest_partial_of(version_dir: str) -> str:
-    """Where a local manifest is written before it is renamed into place (the rename is the commit)."""
-    return posixpath.join(version_dir, MANIFEST + ".partial")
 
 
 def lineage_of(checkpoint_dir: str) -> str:

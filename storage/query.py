@@ -71,24 +71,50 @@ def summarize(table) -> dict[str, Any]:
     con = _connect()
     try:
         con.register(TABLE, table)
-        (rows, groups, prompts, kept_rows, kept_groups, reward_mean, reward_min, reward_max, unscored, adv_mean, adv_abs) = _query(con, f"""
+        (
+            rows,
+            groups,
+            prompts,
+            kept_rows,
+            kept_groups,
+            reward_mean,
+            reward_min,
+            reward_max,
+            unscored,
+            adv_mean,
+            adv_abs,
+        ) = _query(
+            con,
+            f"""
             SELECT count(*), count(DISTINCT group_id), count(DISTINCT prompt_id),
                    count(*) FILTER (kept), count(DISTINCT group_id) FILTER (kept),
                    avg(reward), min(reward), max(reward), count(*) FILTER (reward IS NULL),
                    avg(advantage) FILTER (kept), avg(abs(advantage)) FILTER (kept)
-            FROM {TABLE}""")[0]
-        lengths = _query(con, f"""
+            FROM {TABLE}""",
+        )[0]
+        lengths = _query(
+            con,
+            f"""
             SELECT min(n), quantile_disc(n, 0.5), quantile_disc(n, 0.9), quantile_disc(n, 0.99), max(n), avg(n)
-            FROM (SELECT len(completion_token_ids) AS n FROM {TABLE})""")[0]
+            FROM (SELECT len(completion_token_ids) AS n FROM {TABLE})""",
+        )[0]
 
         def counts(column: str, where: str = "true") -> dict[str, int]:
-            found = _query(con, f"SELECT coalesce({column}::VARCHAR, 'none'), count(*) FROM {TABLE} WHERE {where} "
-                                "GROUP BY 1 ORDER BY 2 DESC, 1")
+            found = _query(
+                con,
+                f"SELECT coalesce({column}::VARCHAR, 'none'), count(*) FROM {TABLE} WHERE {where} "
+                "GROUP BY 1 ORDER BY 2 DESC, 1",
+            )
             return {str(k): int(v) for k, v in found}
 
-        policy_versions = _query(con, f"""
-            SELECT v, count(*) FROM (SELECT unnest(token_policy_versions) AS v FROM {TABLE}) GROUP BY 1 ORDER BY 1""")
-        rewards = _query(con, f"SELECT reward, count(*) FROM {TABLE} WHERE reward IS NOT NULL GROUP BY 1 ORDER BY 1 LIMIT 11")
+        policy_versions = _query(
+            con,
+            f"""
+            SELECT v, count(*) FROM (SELECT unnest(token_policy_versions) AS v FROM {TABLE}) GROUP BY 1 ORDER BY 1""",
+        )
+        rewards = _query(
+            con, f"SELECT reward, count(*) FROM {TABLE} WHERE reward IS NOT NULL GROUP BY 1 ORDER BY 1 LIMIT 11"
+        )
         return {
             "rows": rows,
             "groups": groups,
@@ -97,10 +123,17 @@ def summarize(table) -> dict[str, Any]:
             "kept_groups": kept_groups,
             "schema_versions": sorted(counts("schema_version")),
             "columns": table.schema.names,
-            "runs_rounds": [f"{r}/{k}" for r, k in _query(con, f"SELECT DISTINCT run_id, round FROM {TABLE} ORDER BY 1, 2")],
-            "reward": {"mean": reward_mean, "min": reward_min, "max": reward_max, "unscored": unscored,
-                       # a handful of distinct values (verifiable rewards): show them all; else it is continuous
-                       "values": {str(r): int(n) for r, n in rewards} if len(rewards) <= 10 else None},
+            "runs_rounds": [
+                f"{r}/{k}" for r, k in _query(con, f"SELECT DISTINCT run_id, round FROM {TABLE} ORDER BY 1, 2")
+            ],
+            "reward": {
+                "mean": reward_mean,
+                "min": reward_min,
+                "max": reward_max,
+                "unscored": unscored,
+                # a handful of distinct values (verifiable rewards): show them all; else it is continuous
+                "values": {str(r): int(n) for r, n in rewards} if len(rewards) <= 10 else None,
+            },
             "advantage": {"kept_mean": adv_mean, "kept_mean_abs": adv_abs},
             "outcome": counts("outcome"),
             "drop_reason": counts("drop_reason", where="kept IS NOT TRUE"),
@@ -133,7 +166,11 @@ def export_table(table, fmt: str, path: str) -> int:
                 pq.write_table(table, f, compression="zstd")
             else:
                 for batch in table.to_batches(max_chunksize=4096):
-                    f.write("".join(json.dumps(row, default=_json_default) + "\n" for row in batch.to_pylist()).encode())
+                    f.write(
+                        "".join(json.dumps(row, default=_json_default) + "\n" for row in batch.to_pylist()).encode()
+                    )
     except (OSError, PermissionError) as exc:
-        raise QueryError(f"cannot write {path}: {getattr(exc, 'strerror', None) or exc}; pass a writable path") from None
+        raise QueryError(
+            f"cannot write {path}: {getattr(exc, 'strerror', None) or exc}; pass a writable path"
+        ) from None
     return table.num_rows

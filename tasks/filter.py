@@ -1,19 +1,23 @@
 """Filtering: group-normalised advantages and the rules that decide which samples train.
 
-Pure functions over plain rows first; the Prefect task at the bottom only moves data in and out
-of the trajectory store. Every dropped row keeps its ``drop_reason``.
+Pure functions over plain rows first; the stage at the bottom only moves data in and out of the
+trajectory store. Every dropped row keeps its ``drop_reason``.
 """
 
 from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from tasks.verify import Outcome
+from tasks.config_base import Config
+from tasks.context import RoundContext
+from tasks.results import NotInput, Stats, TrajectoryVersion
+from tasks.verifiers.outcome import Outcome
 
 DROP_INFRA = "infra_failure"  # the environment failed: never a zero reward in the gradient
 DROP_UNKNOWN = "unscored"  # the verifier could not score it
@@ -22,10 +26,8 @@ DROP_INCOMPLETE = "incomplete_group"  # too few scored samples left in the group
 DROP_OVERFLOW = "batch_full"  # a complete group that arrived after the trainable batch was full
 
 
-class FilterConfig(BaseModel):
+class FilterConfig(Config):
     """How rewards become advantages, and which samples are trained on."""
-
-    model_config = ConfigDict(extra="forbid")
 
     normalize_std: bool = True
     """Divide group-centred rewards by the group's standard deviation (GRPO). Off: Dr. GRPO-style centring only."""
@@ -80,21 +82,28 @@ def decide(rows: Iterable[dict], config: FilterConfig) -> dict[tuple[str, int], 
             reason = DROP_ZERO_VARIANCE
         else:
             reason = None
-        advantages = group_advantages([r["reward"] for r in scored], config.normalize_std, config.epsilon) if scored else []
+        advantages = (
+            group_advantages([r["reward"] for r in scored], config.normalize_std, config.epsilon) if scored else []
+        )
         for row, adv in zip(scored, advantages):
-            out[(group_id, row["sample_index"])] = FilterDecision(adv if reason is None else 0.0, reason is None, reason)
+            out[(group_id, row["sample_index"])] = FilterDecision(
+                adv if reason is None else 0.0, reason is None, reason
+            )
     return out
 
 
 def group_is_trainable(rewards: list[float | None], outcomes: list[str], config: FilterConfig) -> bool:
     """Would this group survive filtering? Used by rollout to know when the trainable batch is full."""
     rows = [
-        {"group_id": "g", "sample_index": i, "reward": r, "outcome": o} for i, (r, o) in enumerate(zip(rewards, outcomes))
+        {"group_id": "g", "sample_index": i, "reward": r, "outcome": o}
+        for i, (r, o) in enumerate(zip(rewards, outcomes))
     ]
     return any(d.kept for d in decide(rows, config).values())
 
 
-def apply_decisions(rows: list[dict], decisions: dict[tuple[str, int], FilterDecision], target_groups: int | None) -> list[dict]:
+def apply_decisions(
+    rows: list[dict], decisions: dict[tuple[str, int], FilterDecision], target_groups: int | None
+) -> list[dict]:
     """Write advantage/kept/drop_reason into rows; only the first ``target_groups`` trainable groups
     (in completion order) are kept, later ones are marked ``batch_full``."""
     taken: set[str] = set()
@@ -129,26 +138,44 @@ def filter_stats(rows: list[dict]) -> dict[str, float]:
 
 # -- the stage ------------------------------------------------------------------------------------
 
-def run_filter(ctx, staging_uri: str | None, config: FilterConfig, target_groups: int, rollout_stats: dict | None = None) -> dict:
+
+def run_filter(
+    *,
+    ctx: RoundContext,
+    staging: str | None,
+    config: FilterConfig,
+    target_groups: int,
+    rollout_stats: Annotated[Stats, NotInput("a measurement; it travels in the manifest")],
+) -> TrajectoryVersion:
     """Filter the staged rollout and commit it as this round's trajectory version.
 
     ``rollout_stats`` travel in the manifest, so a resumed round still reports how its rollout went.
     Idempotent: once the round's version is committed it is returned as it is (staging is gone by then)."""
-    from storage.paths import StorageRoot
-    from storage.trajectories import TrajectoryStoreError, committed_round_version, read_table, rows_to_table, write_version
-
     import pyarrow.parquet as pq
+
+    from storage.paths import StorageRoot
+    from storage.trajectories import (
+        TrajectoryStoreError,
+        committed_round_version,
+        read_table,
+        rows_to_table,
+        write_version,
+    )
 
     root = StorageRoot.of(ctx.storage)
     committed = committed_round_version(root, ctx.run_id, ctx.round)
     if committed is not None:
         rows = read_table(root, committed, columns=["group_id", "kept", "drop_reason"]).to_pylist()
-        return {"version": committed.version, "uri": committed.directory, "stats": filter_stats(rows), "resumed": True}
-    if staging_uri is None or not root.fs.exists(staging_uri):
-        raise TrajectoryStoreError(f"round {ctx.round} of run {ctx.run_id}: the staged rollout {staging_uri} is gone and no trajectory "
-                                   f"version is committed; delete {root.stage_record(ctx.run_id, ctx.round, 'rollout')} and resume "
-                                   "to generate the round again")
-    with root.fs.open(staging_uri, "rb") as f:
+        return TrajectoryVersion(
+            version=committed.version, uri=committed.directory, stats=filter_stats(rows), resumed=True
+        )
+    if staging is None or not root.fs.exists(staging):
+        raise TrajectoryStoreError(
+            f"round {ctx.round} of run {ctx.run_id}: the staged rollout {staging} is gone and no trajectory "
+            f"version is committed; delete {root.stage_record(ctx.run_id, ctx.round, 'rollout')} and resume "
+            "to generate the round again"
+        )
+    with root.fs.open(staging, "rb") as f:
         rows = pq.read_table(f).to_pylist()
     rows = apply_decisions(rows, decide(rows, config), target_groups)
     meta = {
@@ -156,16 +183,15 @@ def run_filter(ctx, staging_uri: str | None, config: FilterConfig, target_groups
         "run_id": ctx.run_id,
         "round": ctx.round,
         "parent": None,
-        "derivation": {"filter": config.model_dump(mode="json"), "target_groups": target_groups,
-                       "policy_version": ctx.parent_policy_version},
-        "rollout_stats": rollout_stats or {},
+        "derivation": {
+            "filter": config.model_dump(mode="json"),
+            "target_groups": target_groups,
+            "policy_version": ctx.parent_policy_version,
+        },
+        "rollout_stats": rollout_stats,
     }
-    manifest = write_version(root, lambda v: root.trajectory_version(ctx.run_id, ctx.round, v), rows_to_table(rows), meta)
+    manifest = write_version(
+        root, lambda v: root.trajectory_version(ctx.run_id, ctx.round, v), rows_to_table(rows), meta
+    )
     root.fs.rm(root.staging(ctx.run_id, ctx.round), recursive=True)  # committed: the staging copy is redundant
-    return {"version": manifest.version, "uri": manifest.directory, "stats": filter_stats(rows), "resumed": False}
-
-
-from prefect import task  # noqa: E402 -- the thin Prefect wrapper stays at the bottom
-from prefect.cache_policies import NO_CACHE  # noqa: E402
-
-filter_task = task(name="filter+store", cache_policy=NO_CACHE)(run_filter)
+    return TrajectoryVersion(version=manifest.version, uri=manifest.directory, stats=filter_stats(rows))

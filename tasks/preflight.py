@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from tasks.prompts import PromptError
+from tasks.results import Checked
 
 BUILTIN_BASE = "builtin"
 
@@ -55,14 +56,18 @@ def check_fits(prompts, tokenizer, max_context: int | None, new_tokens: int, sou
     """Longest prompt's tokens; raises when it cannot fit in the context with ``new_tokens`` more."""
     prompt, tokens = longest_prompt(prompts, tokenizer)
     if max_context is not None and tokens + new_tokens > max_context:
-        raise PromptError(f"prompt {prompt.prompt_id} of {source} is {tokens} tokens; with {setting}={new_tokens} it needs "
-                          f"{tokens + new_tokens} positions but the model has {max_context}; shorten or drop the prompt, "
-                          f"lower {setting}, or use a model with a longer context")
+        raise PromptError(
+            f"prompt {prompt.prompt_id} of {source} is {tokens} tokens; with {setting}={new_tokens} it needs "
+            f"{tokens + new_tokens} positions but the model has {max_context}; shorten or drop the prompt, "
+            f"lower {setting}, or use a model with a longer context"
+        )
     return tokens
 
 
-def run_preflight(config, storage: str) -> dict[str, float]:
-    """Check a round config's inputs against the storage root; returns what was checked (for the log)."""
+def run_preflight(*, config: Any, storage: str) -> Checked:
+    """Check a round config's inputs against the storage root; returns what was checked (for the log).
+
+    ``config`` is a ``flows.config.RoundConfig`` (composed there from the stages' configs)."""
     from models import addition
     from storage.lineage import Tracker
     from storage.paths import StorageRoot
@@ -75,15 +80,23 @@ def run_preflight(config, storage: str) -> dict[str, float]:
         training = load_prompt_file(config.prompts.source, config.prompts.task)
     held_out = evaluation_prompts(config.prompts, config.evaluate.source)
     tokenizer, max_context = base_tokenizer_and_context(storage, config.policy.base_model)
-    longest = check_fits(training, tokenizer, max_context, config.rollout.max_tokens, config.prompts.source, "rollout.max_tokens")
-    check_fits(held_out, tokenizer, max_context, config.evaluate.max_tokens, config.evaluate.source or config.prompts.source,
-               "evaluate.max_tokens")
+    longest = check_fits(
+        training, tokenizer, max_context, config.rollout.max_tokens, config.prompts.source, "rollout.max_tokens"
+    )
+    check_fits(
+        held_out,
+        tokenizer,
+        max_context,
+        config.evaluate.max_tokens,
+        config.evaluate.source or config.prompts.source,
+        "evaluate.max_tokens",
+    )
     Tracker.connect(settings(), StorageRoot.of(storage))
-    return {"preflight/training_prompts": len(training), "preflight/held_out_prompts": len(held_out),
-            "preflight/longest_prompt_tokens": longest, "preflight/context": max_context or 0}
-
-
-from prefect import task  # noqa: E402 -- the thin Prefect wrapper stays at the bottom
-from prefect.cache_policies import NO_CACHE  # noqa: E402
-
-preflight_task = task(name="preflight", cache_policy=NO_CACHE)(run_preflight)
+    return Checked(
+        stats={
+            "preflight/training_prompts": len(training),
+            "preflight/held_out_prompts": len(held_out),
+            "preflight/longest_prompt_tokens": longest,
+            "preflight/context": max_context or 0,
+        }
+    )

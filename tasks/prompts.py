@@ -9,12 +9,13 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-from typing import Iterator
+from collections.abc import Iterator
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import field_validator
 
 from models import addition
 from models.addition import Prompt
+from tasks.config_base import Config
 
 BUILTIN = "builtin:addition"
 
@@ -23,10 +24,8 @@ class PromptError(ValueError):
     pass
 
 
-class PromptsConfig(BaseModel):
+class PromptsConfig(Config):
     """Where training prompts come from."""
-
-    model_config = ConfigDict(extra="forbid")
 
     source: str = BUILTIN
     """'builtin:addition', or a local/remote path to a .parquet or .jsonl file with columns prompt, reference."""
@@ -55,29 +54,40 @@ def load_prompt_file(uri: str, task: str) -> list[Prompt]:
                         try:
                             records.append(json.loads(line))
                         except json.JSONDecodeError as exc:
-                            raise PromptError(f"{uri}:{lineno}: not valid JSON ({exc.msg}); each line must be an object with prompt and reference") from None
+                            raise PromptError(
+                                f"{uri}:{lineno}: not valid JSON ({exc.msg}); each line must be an object with "
+                                "prompt and reference"
+                            ) from None
         else:
             import pyarrow.parquet as pq
 
             with fs.open(uri, "rb") as f:
                 records = pq.read_table(f).to_pylist()
     except FileNotFoundError:
-        raise PromptError(f"prompt file {uri} does not exist; set prompts.source to an existing .jsonl or .parquet file") from None
+        raise PromptError(
+            f"prompt file {uri} does not exist; set prompts.source to an existing .jsonl or .parquet file"
+        ) from None
     except PromptError:
         raise
     except Exception as exc:  # noqa: BLE001 -- not UTF-8, not Parquet, a directory, no permission: the file's problem
         kind = "UTF-8 JSON lines" if uri.endswith(".jsonl") else "a Parquet file"
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-        raise PromptError(f"prompt file {uri} cannot be read as {kind} ({reason}); rewrite it with columns prompt and reference") from None
+        raise PromptError(
+            f"prompt file {uri} cannot be read as {kind} ({reason}); rewrite it with columns prompt and reference"
+        ) from None
     prompts = []
     for i, rec in enumerate(records):
         if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str) or rec.get("reference") is None:
-            raise PromptError(f"{uri}: record {i + 1} lacks a string 'prompt' and a 'reference'; every record needs both")
+            raise PromptError(
+                f"{uri}: record {i + 1} lacks a string 'prompt' and a 'reference'; every record needs both"
+            )
         text = rec["prompt"]
         if not text.strip():
             raise PromptError(f"{uri}: record {i + 1} has an empty prompt; remove it or give it text")
         digest = hashlib.sha256(f"{text}\x00{rec['reference']}".encode()).hexdigest()[:12]
-        prompts.append(Prompt(prompt_id=str(rec.get("id", f"p-{digest}")), task=task, text=text, reference=str(rec["reference"])))
+        prompts.append(
+            Prompt(prompt_id=str(rec.get("id", f"p-{digest}")), task=task, text=text, reference=str(rec["reference"]))
+        )
     if not prompts:
         raise PromptError(f"prompt file {uri} holds no prompts; add at least one record with prompt and reference")
     return prompts

@@ -7,13 +7,17 @@ serving it) and ``publish/engine_pause_s`` (the part of that during which the en
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from typing import Annotated
+
+from pydantic import field_validator
+
+from tasks.config_base import Config
+from tasks.context import RoundContext
+from tasks.results import NotInput, Published
 
 
-class PublishConfig(BaseModel):
+class PublishConfig(Config):
     """Where checkpoints are registered."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model_name: str = "rlrounds-policy"
     """Registered model name in the MLflow registry."""
@@ -45,9 +49,20 @@ def lineage_tags(*, round_index: int, run_id: str, parent_model_version: str, tr
 
 # -- the stage ------------------------------------------------------------------------------------
 
-def run_publish(ctx, config: PublishConfig, checkpoint_uri: str, trajectory_version: str, trajectory_uri: str,
-                committed_at: float | None, engine_kind: str, engine_dtype: str, max_batch: int) -> dict:
-    """Register the checkpoint with its lineage tags, then load it into the live rollout engine."""
+def run_publish(
+    *,
+    ctx: RoundContext,
+    config: PublishConfig,
+    checkpoint: str,
+    trajectory_version: str,
+    trajectory_uri: str,
+    committed_at: Annotated[float | None, NotInput("a measurement: when train committed")],
+    engine: str,
+    engine_dtype: str,
+    max_batch: int,
+) -> Published:
+    """Register the checkpoint with its lineage tags, then load it into the live rollout engine
+    (``engine`` at ``engine_dtype``, the round's rollout engine)."""
     import time
 
     from storage import checkpoints
@@ -60,28 +75,29 @@ def run_publish(ctx, config: PublishConfig, checkpoint_uri: str, trajectory_vers
     committed_at = committed_at or start
     root = StorageRoot.of(ctx.storage)
     tracker = Tracker.connect(settings(), root)
-    tracker.log_dataset(ctx.mlflow_run_id, f"trajectories-{ctx.run_id}-r{ctx.round}", trajectory_version, trajectory_uri)
-    tags = lineage_tags(
-        round_index=ctx.round, run_id=ctx.run_id, parent_model_version=ctx.parent_model_version,
-        trajectory_version=trajectory_version, base_model=ctx.base_model, config_hash=ctx.config_hash,
-        code_version=ctx.code_version, prefect_flow_run_id=ctx.flow_run_id,
+    tracker.log_dataset(
+        ctx.mlflow_run_id, f"trajectories-{ctx.run_id}-r{ctx.round}", trajectory_version, trajectory_uri
     )
-    version = tracker.register(config.model_name, checkpoint_uri, ctx.mlflow_run_id, tags)
+    tags = lineage_tags(
+        round_index=ctx.round,
+        run_id=ctx.run_id,
+        parent_model_version=ctx.parent_model_version,
+        trajectory_version=trajectory_version,
+        base_model=ctx.base_model,
+        config_hash=ctx.config_hash,
+        code_version=ctx.code_version,
+        prefect_flow_run_id=ctx.flow_run_id,
+    )
+    version = tracker.register(config.model_name, checkpoint, ctx.mlflow_run_id, tags)
     registered = time.time()
-    local = checkpoints.local_copy(root, checkpoint_uri)
-    _, _, pause = serving_engine(engine_kind, local, engine_dtype, ctx.round, max_batch)
+    local = checkpoints.local_copy(root, checkpoint)
+    _, _, pause = serving_engine(engine, local, engine_dtype, ctx.round, max_batch)
     serving = time.time()
-    return {
-        "model_version": f"{config.model_name}/{version}",
-        "stats": {
+    return Published(
+        model_version=f"{config.model_name}/{version}",
+        stats={
             "publish/latency_s": serving - committed_at,
             "publish/register_s": registered - start,
             "publish/engine_pause_s": pause,
         },
-    }
-
-
-from prefect import task  # noqa: E402 -- the thin Prefect wrapper stays at the bottom
-from prefect.cache_policies import NO_CACHE  # noqa: E402
-
-publish_task = task(name="publish", cache_policy=NO_CACHE)(run_publish)
+    )

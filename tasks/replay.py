@@ -21,11 +21,14 @@ from __future__ import annotations
 import hashlib
 import json
 
-from pydantic import BaseModel, ConfigDict
-
 from storage.lineage import LineageError
 from tasks.context import RoundContext
+from tasks.evaluate import EvaluateConfig, evaluate_checkpoint, evaluation_tags
+from tasks.prompts import PromptsConfig, evaluation_prompts
+from tasks.publish import lineage_tags
+from tasks.results import Published, StageResult, Stats
 from tasks.train import TrainConfig
+from tasks.verifiers.config import VerifyConfig
 
 REPLAY_KIND = "replay"
 
@@ -34,10 +37,8 @@ class ReplayError(LineageError):
     pass
 
 
-class ReplayPlan(BaseModel):
+class ReplayPlan(StageResult):
     """Everything the train and publish steps of a replay need, resolved once."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     replay_id: str
     context: RoundContext
@@ -58,7 +59,9 @@ class ReplayPlan(BaseModel):
 
 def replay_id(trajectory_version: str, from_model: str, train: TrainConfig, model_name: str, code_version: str) -> str:
     """Same inputs, same id: a repeated replay finds its committed checkpoint and registered version."""
-    canonical = json.dumps([trajectory_version, from_model, train.model_dump(mode="json"), model_name, code_version], sort_keys=True)
+    canonical = json.dumps(
+        [trajectory_version, from_model, train.model_dump(mode="json"), model_name, code_version], sort_keys=True
+    )
     return "replay-" + hashlib.sha256(canonical.encode()).hexdigest()[:12]
 
 
@@ -66,8 +69,10 @@ def only_value(values: list, what: str, version: str):
     """The one value a column holds across a version's rows (temperature, dtype, task)."""
     distinct = sorted({v for v in values if v is not None}, key=str)
     if len(distinct) != 1:
-        raise ReplayError(f"trajectory version {version} holds {len(distinct)} different {what} values ({distinct[:4]}); "
-                          "replay needs one: select one with `rlrounds refilter` first")
+        raise ReplayError(
+            f"trajectory version {version} holds {len(distinct)} different {what} values ({distinct[:4]}); "
+            "replay needs one: select one with `rlrounds refilter` first"
+        )
     return distinct[0]
 
 
@@ -77,22 +82,36 @@ def recorded_training(root, rollout_manifest) -> tuple[TrainConfig, str]:
 
     run_id, round_index = rollout_manifest.body.get("run_id"), rollout_manifest.body.get("round")
     if run_id is None or round_index is None:
-        raise ReplayError(f"trajectory version {rollout_manifest.version} names no round; pass --config with a training config")
+        raise ReplayError(
+            f"trajectory version {rollout_manifest.version} names no round; pass --config with a training config"
+        )
     try:
         lineage = checkpoints.read_lineage(root, root.checkpoint(run_id, round_index))
     except checkpoints.CheckpointError:
-        raise ReplayError(f"no training config is recorded for run {run_id} round {round_index} (its checkpoint is not "
-                          "committed); pass --config with the campaign config the round ran with") from None
+        raise ReplayError(
+            f"no training config is recorded for run {run_id} round {round_index} (its checkpoint is not "
+            "committed); pass --config with the campaign config the round ran with"
+        ) from None
     return TrainConfig.model_validate(lineage["train_config"]), lineage["config_hash"]
 
 
 # -- the stages -----------------------------------------------------------------------------------
 
-def run_plan_replay(storage: str, trajectories: str, from_model: str, train: TrainConfig | None, config_hash: str | None,
-                    model_name: str | None, task: str, code_version: str, flow_run_id: str) -> ReplayPlan:
+
+def run_plan_replay(
+    *,
+    storage: str,
+    trajectories: str,
+    from_model: str,
+    train: TrainConfig | None,
+    config_hash: str | None,
+    model_name: str | None,
+    task: str,
+    code_version: str,
+    flow_run_id: str,
+) -> ReplayPlan:
     """Resolve the parent model version and the trajectory version; open the replay's MLflow run."""
-    from storage.audit import parse_model_version
-    from storage.lineage import KIND_TAG, RUN_ID_TAG, Tracker
+    from storage.lineage import KIND_TAG, RUN_ID_TAG, Tracker, parse_model_version
     from storage.paths import StorageRoot
     from storage.settings import settings
     from storage.trajectories import find_version, parent_chain, read_table
@@ -103,70 +122,107 @@ def run_plan_replay(storage: str, trajectories: str, from_model: str, train: Tra
     try:
         parent = tracker.model_version(name, version)
     except Exception as exc:  # noqa: BLE001 -- MLflow raises its own types for a missing version
-        raise ReplayError(f"no registered model version {from_model}: {str(exc).splitlines()[0] if str(exc) else exc}") from None
+        raise ReplayError(
+            f"no registered model version {from_model}: {str(exc).splitlines()[0] if str(exc) else exc}"
+        ) from None
     tags = dict(parent.tags or {})
     manifest = find_version(root, trajectories)
     chain = parent_chain(root, manifest)
     if train is None:
         train, config_hash = recorded_training(root, chain[-1])
     table = read_table(root, manifest, columns=["sampling", "engine", "task"])
-    temperature = only_value([s["temperature"] for s in table.column("sampling").to_pylist()], "sampling temperature", manifest.version)
+    temperature = only_value(
+        [s["temperature"] for s in table.column("sampling").to_pylist()], "sampling temperature", manifest.version
+    )
     dtype = only_value([e["dtype"] for e in table.column("engine").to_pylist()], "engine dtype", manifest.version)
     found_task = only_value(table.column("task").to_pylist(), "task", manifest.version)
     if found_task != task:
-        raise ReplayError(f"trajectory version {manifest.version} is task {found_task!r} but the replay evaluates task {task!r}; "
-                          "pass --config with the campaign config the round ran with")
+        raise ReplayError(
+            f"trajectory version {manifest.version} is task {found_task!r} but the replay evaluates task {task!r}; "
+            "pass --config with the campaign config the round ran with"
+        )
     model_name = model_name or name
     rid = replay_id(manifest.version, from_model, train, model_name, code_version)
-    experiment_id = tracker.client.get_run(parent.run_id).info.experiment_id if parent.run_id else tracker.experiment_id("rlrounds")
+    experiment_id = (
+        tracker.client.get_run(parent.run_id).info.experiment_id if parent.run_id else tracker.experiment_id("rlrounds")
+    )
     run = tracker.ensure_run(experiment_id, rid, {RUN_ID_TAG: rid, KIND_TAG: REPLAY_KIND})
-    params = {"trajectory_version": manifest.version, "from_model": from_model, "config_hash": config_hash,
-              "train_config": json.dumps(train.model_dump(mode="json"), sort_keys=True)}
+    params = {
+        "trajectory_version": manifest.version,
+        "from_model": from_model,
+        "config_hash": config_hash,
+        "train_config": json.dumps(train.model_dump(mode="json"), sort_keys=True),
+    }
     logged = tracker.client.get_run(run).data.params  # MLflow params are write-once: a repeated replay adds none
     tracker.log(run, params={k: v for k, v in params.items() if k not in logged})
     parent_round = int(tags.get("round", "0"))
     context = RoundContext(
-        storage=storage, run_id=rid, round=parent_round + 1, experiment=tracker.client.get_experiment(experiment_id).name,
-        parent_checkpoint=str(parent.source), parent_policy_version=parent_round, parent_model_version=from_model,
-        base_model=tags.get("base_model", "unknown"), config_hash=config_hash or "unknown", code_version=code_version,
-        flow_run_id=flow_run_id, mlflow_run_id=run, seed=train.seed,
+        storage=storage,
+        run_id=rid,
+        round=parent_round + 1,
+        experiment=tracker.client.get_experiment(experiment_id).name,
+        parent_checkpoint=str(parent.source),
+        parent_policy_version=parent_round,
+        parent_model_version=from_model,
+        base_model=tags.get("base_model", "unknown"),
+        config_hash=config_hash or "unknown",
+        code_version=code_version,
+        flow_run_id=flow_run_id,
+        mlflow_run_id=run,
+        seed=train.seed,
     )
-    return ReplayPlan(replay_id=rid, context=context, trajectory_version=manifest.version, trajectory_uri=manifest.directory,
-                      train=train, temperature=float(temperature), rollout_dtype=str(dtype), checkpoint=root.replay_checkpoint(rid),
-                      model_name=model_name, source={"run_id": chain[-1].body.get("run_id"), "round": chain[-1].body.get("round")})
+    return ReplayPlan(
+        replay_id=rid,
+        context=context,
+        trajectory_version=manifest.version,
+        trajectory_uri=manifest.directory,
+        train=train,
+        temperature=float(temperature),
+        rollout_dtype=str(dtype),
+        checkpoint=root.replay_checkpoint(rid),
+        model_name=model_name,
+        source={"run_id": chain[-1].body.get("run_id"), "round": chain[-1].body.get("round")},
+    )
 
 
-def run_publish_replay(plan: ReplayPlan, checkpoint: str, train_stats: dict, evaluate_config, prompts_config, verifier_name: str) -> dict:
+def run_publish_replay(
+    *,
+    plan: ReplayPlan,
+    checkpoint: str,
+    train_stats: Stats,
+    evaluate: EvaluateConfig | None,
+    prompts: PromptsConfig,
+    verify: VerifyConfig,
+) -> Published:
     """Register the replayed checkpoint with its lineage; evaluate it (tags only, no champion move)."""
     from storage import checkpoints
     from storage.lineage import Tracker
     from storage.paths import StorageRoot
     from storage.settings import settings
-    from tasks.evaluate import evaluate_checkpoint, evaluation_tags
-    from tasks.prompts import evaluation_prompts
-    from tasks.publish import lineage_tags
 
     ctx = plan.context
     root = StorageRoot.of(ctx.storage)
     tracker = Tracker.connect(settings(), root)
-    tracker.log_dataset(ctx.mlflow_run_id, f"trajectories-{plan.trajectory_version}", plan.trajectory_version, plan.trajectory_uri)
-    tags = lineage_tags(round_index=ctx.round, run_id=ctx.run_id, parent_model_version=ctx.parent_model_version,
-                        trajectory_version=plan.trajectory_version, base_model=ctx.base_model, config_hash=ctx.config_hash,
-                        code_version=ctx.code_version, prefect_flow_run_id=ctx.flow_run_id)
+    tracker.log_dataset(
+        ctx.mlflow_run_id, f"trajectories-{plan.trajectory_version}", plan.trajectory_version, plan.trajectory_uri
+    )
+    tags = lineage_tags(
+        round_index=ctx.round,
+        run_id=ctx.run_id,
+        parent_model_version=ctx.parent_model_version,
+        trajectory_version=plan.trajectory_version,
+        base_model=ctx.base_model,
+        config_hash=ctx.config_hash,
+        code_version=ctx.code_version,
+        prefect_flow_run_id=ctx.flow_run_id,
+    )
     version = tracker.register(plan.model_name, checkpoint, ctx.mlflow_run_id, {**tags, "kind": REPLAY_KIND})
-    evaluation: dict = {}
-    if evaluate_config is not None:
-        prompts = evaluation_prompts(prompts_config, evaluate_config.source)
-        evaluation = evaluate_checkpoint(checkpoints.local_copy(root, checkpoint), prompts, verifier_name, evaluate_config)
+    evaluation: Stats = {}
+    if evaluate is not None:
+        held_out = evaluation_prompts(prompts, evaluate.source)
+        evaluation = evaluate_checkpoint(checkpoints.local_copy(root, checkpoint), held_out, verify, evaluate)
         tracker.tag_model_version(plan.model_name, version, evaluation_tags(evaluation))
     numeric = {k: float(v) for k, v in {**train_stats, **evaluation}.items() if isinstance(v, (int, float))}
     tracker.log(ctx.mlflow_run_id, metrics=numeric, step=ctx.round)
     tracker.finish(ctx.mlflow_run_id)
-    return {"model_version": f"{plan.model_name}/{version}", "stats": numeric}
-
-
-from prefect import task  # noqa: E402 -- the thin Prefect wrappers stay at the bottom
-from prefect.cache_policies import NO_CACHE  # noqa: E402
-
-plan_replay_task = task(name="plan-replay", cache_policy=NO_CACHE)(run_plan_replay)
-publish_replay_task = task(name="publish-replay", cache_policy=NO_CACHE)(run_publish_replay)
+    return Published(model_version=f"{plan.model_name}/{version}", stats=numeric)

@@ -9,7 +9,10 @@ the checkpoint evaluate (serving vs training precision).
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Annotated, Any
+
+from tasks.context import RoundContext
+from tasks.results import NotInput, RoundRecord, RoundRuns, Stats
 
 log = logging.getLogger("rlrounds")
 progress_log = logging.getLogger("rlrounds.progress")
@@ -19,7 +22,9 @@ def report_progress(message: str) -> None:
     progress_log.info(message)
 
 
-def run_open_round(storage: str, experiment: str, run_id: str, round_index: int, params: dict[str, Any]) -> dict:
+def run_open_round(
+    *, storage: str, experiment: str, run_id: str, round_index: int, params: dict[str, Any]
+) -> RoundRuns:
     """The campaign's MLflow run and this round's child run (both reused when a round is resumed)."""
     from storage.lineage import KIND_TAG, ROUND_TAG, RUN_ID_TAG, Tracker
     from storage.paths import StorageRoot
@@ -28,13 +33,17 @@ def run_open_round(storage: str, experiment: str, run_id: str, round_index: int,
     tracker = Tracker.connect(settings(), StorageRoot.of(storage))
     exp = tracker.experiment_id(experiment)
     campaign = tracker.ensure_run(exp, f"campaign-{run_id}", {RUN_ID_TAG: run_id, KIND_TAG: "campaign"})
-    round_run = tracker.ensure_run(exp, f"{run_id}-round-{round_index}",
-                                   {RUN_ID_TAG: run_id, KIND_TAG: "round", ROUND_TAG: str(round_index)}, parent=campaign)
+    round_run = tracker.ensure_run(
+        exp,
+        f"{run_id}-round-{round_index}",
+        {RUN_ID_TAG: run_id, KIND_TAG: "round", ROUND_TAG: str(round_index)},
+        parent=campaign,
+    )
     if params:
         existing = tracker.client.get_run(round_run).data.params
         fresh = {k: v for k, v in params.items() if k not in existing}
         tracker.log(round_run, params=fresh)
-    return {"campaign_run": campaign, "round_run": round_run, "experiment_id": exp}
+    return RoundRuns(campaign_run=campaign, round_run=round_run, experiment_id=exp)
 
 
 def _fmt(stats: dict, key: str, spec: str = ".3f", unit: str = "") -> str:
@@ -42,7 +51,9 @@ def _fmt(stats: dict, key: str, spec: str = ".3f", unit: str = "") -> str:
     return "n/a" if value is None else f"{value:{spec}}{unit}"
 
 
-def health_report(run_id: str, round_index: int, stats: dict[str, float], model_version: str | None, trajectory_version: str | None) -> str:
+def health_report(
+    run_id: str, round_index: int, stats: dict[str, float], model_version: str | None, trajectory_version: str | None
+) -> str:
     s = stats
     lines = [
         f"# Round {round_index} of campaign `{run_id}`",
@@ -52,19 +63,27 @@ def health_report(run_id: str, round_index: int, stats: dict[str, float], model_
         "| question | figure |",
         "| --- | --- |",
         f"| batch readiness | time to a trainable batch {_fmt(s, 'rollout/time_to_trainable_batch_s', '.2f', ' s')}; "
-        f"sample latency p50 {_fmt(s, 'rollout/sample_latency_p50_s', '.3f', ' s')}, p99 {_fmt(s, 'rollout/sample_latency_p99_s', '.3f', ' s')}, "
-        f"max {_fmt(s, 'rollout/sample_latency_max_s', '.3f', ' s')}; {_fmt(s, 'rollout/groups', '.0f')} groups generated for "
+        f"sample latency p50 {_fmt(s, 'rollout/sample_latency_p50_s', '.3f', ' s')}, p99 "
+        f"{_fmt(s, 'rollout/sample_latency_p99_s', '.3f', ' s')}, "
+        f"max {_fmt(s, 'rollout/sample_latency_max_s', '.3f', ' s')}; {_fmt(s, 'rollout/groups', '.0f')} groups "
+        "generated for "
         f"{_fmt(s, 'rollout/target_groups', '.0f')} trainable |",
-        f"| policy freshness | staleness mean {_fmt(s, 'train/staleness_mean_steps', '.1f')} steps, max {_fmt(s, 'train/staleness_max_steps', '.0f')}; "
+        f"| policy freshness | staleness mean {_fmt(s, 'train/staleness_mean_steps', '.1f')} steps, max "
+        f"{_fmt(s, 'train/staleness_max_steps', '.0f')}; "
         f"ratio mean {_fmt(s, 'train/ratio_mean', '.4f')}; clip fraction {_fmt(s, 'train/clip_fraction', '.3f')} |",
         f"| numeric alignment | engine vs trainer logprobs mean abs delta {_fmt(s, 'train/mismatch_mean_abs', '.2e')}, "
-        f"max {_fmt(s, 'train/mismatch_max_abs', '.2e')}, KL {_fmt(s, 'train/mismatch_kl', '.2e')}; TIS weight mean {_fmt(s, 'train/tis_mean', '.4f')} |",
-        f"| environment reliability | success {_fmt(s, 'verify/success', '.0f')}, model failure {_fmt(s, 'verify/model_failure', '.0f')}, "
+        f"max {_fmt(s, 'train/mismatch_max_abs', '.2e')}, KL {_fmt(s, 'train/mismatch_kl', '.2e')}; TIS weight mean "
+        f"{_fmt(s, 'train/tis_mean', '.4f')} |",
+        f"| environment reliability | success {_fmt(s, 'verify/success', '.0f')}, model failure "
+        f"{_fmt(s, 'verify/model_failure', '.0f')}, "
         f"infra failure {_fmt(s, 'verify/infra_failure', '.0f')}, unknown {_fmt(s, 'verify/unknown', '.0f')}; "
-        f"infra failure rate {_fmt(s, 'verify/infra_failure_rate', '.2%')}; retries {_fmt(s, 'verify/infra_retries', '.0f')} "
-        f"(recovered {_fmt(s, 'verify/infra_recovered', '.0f')}), workers replaced {_fmt(s, 'verify/workers_replaced', '.0f')}, "
+        f"infra failure rate {_fmt(s, 'verify/infra_failure_rate', '.2%')}; retries "
+        f"{_fmt(s, 'verify/infra_retries', '.0f')} "
+        f"(recovered {_fmt(s, 'verify/infra_recovered', '.0f')}), workers replaced "
+        f"{_fmt(s, 'verify/workers_replaced', '.0f')}, "
         f"verifier timeouts {_fmt(s, 'verify/verifier_timeouts', '.0f')} |",
-        f"| weight publication | publish latency {_fmt(s, 'publish/latency_s', '.3f', ' s')}; engine pause {_fmt(s, 'publish/engine_pause_s', '.4f', ' s')} |",
+        f"| weight publication | publish latency {_fmt(s, 'publish/latency_s', '.3f', ' s')}; engine pause "
+        f"{_fmt(s, 'publish/engine_pause_s', '.4f', ' s')} |",
         f"| evaluation | accuracy at serving precision ({s.get('eval/engine', '?')}, {s.get('eval/dtype', '?')}) "
         f"{_fmt(s, 'eval/accuracy', '.1%')}; at training precision {_fmt(s, 'eval/accuracy_train_precision', '.1%')}; "
         f"gap {_fmt(s, 'eval/serving_gap', '+.1%')} |",
@@ -75,43 +94,34 @@ def health_report(run_id: str, round_index: int, stats: dict[str, float], model_
     for key in sorted(k for k in s if k.startswith("time/")):
         lines.append(f"| {key.removeprefix('time/')} | {s[key]:.2f} |")
     lines.append("")
-    lines.append(f"Mean reward {_fmt(s, 'verify/mean_reward', '.3f')}; kept {_fmt(s, 'filter/kept_groups', '.0f')} groups "
-                 f"({_fmt(s, 'filter/kept_rows', '.0f')} samples); loss {_fmt(s, 'train/loss', '.4f')}; grad norm {_fmt(s, 'train/grad_norm', '.3f')}.")
+    lines.append(
+        f"Mean reward {_fmt(s, 'verify/mean_reward', '.3f')}; kept {_fmt(s, 'filter/kept_groups', '.0f')} groups "
+        f"({_fmt(s, 'filter/kept_rows', '.0f')} samples); loss {_fmt(s, 'train/loss', '.4f')}; grad norm "
+        f"{_fmt(s, 'train/grad_norm', '.3f')}."
+    )
     return "\n".join(lines) + "\n"
 
 
-def run_record_round(storage: str, mlflow_run_id: str, run_id: str, round_index: int, stats: dict[str, Any],
-                     model_version: str | None, trajectory_version: str | None) -> str:
-    """Log the round's metrics and its health report (MLflow artifact + Prefect markdown artifact); close the run.
+def run_record_round(
+    *,
+    ctx: RoundContext,
+    stats: Annotated[Stats, NotInput("measurements")],
+    model_version: str | None,
+    trajectory_version: str | None,
+) -> RoundRecord:
+    """Log the round's metrics and its health report (an MLflow artifact); close the round's run.
 
     Closing the run is the commit: a run already FINISHED is not logged to again."""
     from storage.lineage import Tracker
     from storage.paths import StorageRoot
     from storage.settings import settings
 
-    tracker = Tracker.connect(settings(), StorageRoot.of(storage))
-    report = health_report(run_id, round_index, stats, model_version, trajectory_version)
-    if tracker.client.get_run(mlflow_run_id).info.status == "FINISHED":  # recorded before a crash: never log twice
-        return report
+    tracker = Tracker.connect(settings(), StorageRoot.of(ctx.storage))
+    report = health_report(ctx.run_id, ctx.round, stats, model_version, trajectory_version)
+    if tracker.client.get_run(ctx.mlflow_run_id).info.status == "FINISHED":  # recorded before a crash: never log twice
+        return RoundRecord(report=report)
     numeric = {k: float(v) for k, v in stats.items() if isinstance(v, (int, float))}
-    tracker.log(mlflow_run_id, metrics=numeric, step=round_index)
-    tracker.log_text(mlflow_run_id, report, "round_health_report.md")
-    tracker.finish(mlflow_run_id)
-    try:
-        from prefect.artifacts import create_markdown_artifact
-
-        create_markdown_artifact(markdown=report, key=f"round-{_slug(run_id)}-{round_index}", description=f"round {round_index} health report")
-    except Exception as exc:  # noqa: BLE001 -- the report is already in MLflow; a UI artifact is a bonus
-        log.warning("could not create the Prefect report artifact: %s", exc)
-    return report
-
-
-def _slug(text: str) -> str:
-    return "".join(c if c.isalnum() else "-" for c in text.lower()).strip("-")
-
-
-from prefect import task  # noqa: E402 -- the thin Prefect wrappers stay at the bottom
-from prefect.cache_policies import NO_CACHE  # noqa: E402
-
-open_round_task = task(name="open-round", cache_policy=NO_CACHE)(run_open_round)
-record_round_task = task(name="record-round", cache_policy=NO_CACHE)(run_record_round)
+    tracker.log(ctx.mlflow_run_id, metrics=numeric, step=ctx.round)
+    tracker.log_text(ctx.mlflow_run_id, report, "round_health_report.md")
+    tracker.finish(ctx.mlflow_run_id)
+    return RoundRecord(report=report)

@@ -12,24 +12,28 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
-from typing import Any, Literal
+from datetime import UTC, datetime
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from models.addition import Prompt
 from models.engine import GeneratedSample, GroupRequest, SamplingParams
+from tasks.config_base import Config
+from tasks.context import RoundContext
 from tasks.filter import FilterConfig, group_is_trainable
 from tasks.prompts import PromptError, PromptsConfig, prompt_stream
-from tasks.verify import (VERIFIER_VERSIONS, Outcome, Verdict, VerifierPool, VerifyConfig, check_infra_failure_rate,
-                          get_verifier)
+from tasks.results import NotInput, Staged
+from tasks.verifiers.config import VerifyConfig
+from tasks.verifiers.outcome import Outcome, Verdict
+from tasks.verifiers.pool import VerifierPool, check_infra_failure_rate
+from tasks.verifiers.registry import get_verifier, verifier_version
 
 
-class RolloutConfig(BaseModel):
+class RolloutConfig(Config):
     """How samples are generated."""
-
-    model_config = ConfigDict(extra="forbid")
 
     engine: Literal["embedded", "vllm"] = "embedded"
     """Rollout engine: 'embedded' (torch in this process, any Hugging Face causal LM) or 'vllm'
@@ -56,7 +60,7 @@ class RolloutConfig(BaseModel):
     """Over-provisioning cap: at most this many times the target groups are generated per round."""
 
     @model_validator(mode="after")
-    def _dtype_known(self) -> "RolloutConfig":
+    def _dtype_known(self) -> RolloutConfig:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"rollout.dtype {self.dtype!r} is unknown; use float32, bfloat16 or float16")
         return self
@@ -82,7 +86,7 @@ class RolloutResult:
 
 
 def _utc(t: float) -> datetime:
-    return datetime.fromtimestamp(t, tz=timezone.utc)
+    return datetime.fromtimestamp(t, tz=UTC)
 
 
 def generate_and_verify(
@@ -102,7 +106,7 @@ def generate_and_verify(
     """``max_context``: the model's positions; a prompt that cannot fit with rollout.max_tokens is an
     input error, raised before it is generated (the engine would fail deep inside, or silently wrap)."""
     verifier_name = verify.verifier or prompts.task
-    verifier = get_verifier(verifier_name)
+    verifier = get_verifier(verifier_name, verify)
     sampling = SamplingParams(rollout.temperature, rollout.top_p, rollout.max_tokens, seed)
     stream = prompt_stream(prompts, seed)
     max_groups = int(target_groups * rollout.max_prompts_factor)
@@ -120,7 +124,9 @@ def generate_and_verify(
             prompt = next(stream)
             ids = tuple(tokenizer(prompt.text)["input_ids"])
             if max_context is not None and len(ids) + rollout.max_tokens > max_context:
-                raise PromptError(context_overflow(prompts.source, prompt.prompt_id, len(ids), rollout.max_tokens, max_context))
+                raise PromptError(
+                    context_overflow(prompts.source, prompt.prompt_id, len(ids), rollout.max_tokens, max_context)
+                )
             request = GroupRequest(f"r{round_index}-g{index:06d}", ids, rollout.samples_per_prompt, sampling)
             groups[request.group_id] = _GroupState(request, prompt, time.time())
             yield request
@@ -138,13 +144,17 @@ def generate_and_verify(
             if progress and len(completed) % 256 == 0:
                 progress(f"rollout: {len(completed)} groups verified, {trainable}/{target_groups} trainable")
 
-    with VerifierPool(verifier, verify.workers, verify.infra_retries, verify.infra_retry_budget, verify.timeout_s) as pool:
+    with VerifierPool(
+        verifier, verify.workers, verify.infra_retries, verify.infra_retry_budget, verify.timeout_s
+    ) as pool:
         for sample in engine.generate(feed()):
             state = groups[sample.group_id]
             text = tokenizer.decode(sample.token_ids, skip_special_tokens=True)
             state.texts[sample.sample_index] = text
             future = pool.submit(text, state.prompt.reference)
-            future.add_done_callback(lambda _f, st=state, i=sample.sample_index: st.verified_at.__setitem__(i, time.time()))
+            future.add_done_callback(
+                lambda _f, st=state, i=sample.sample_index: st.verified_at.__setitem__(i, time.time())
+            )
             state.samples.append(sample)
             state.futures.append(future)
             if len(state.samples) == state.request.n:
@@ -155,7 +165,7 @@ def generate_and_verify(
     pool_stats = pool.stats()  # retries spent, workers replaced, timeouts: how hard the environment was to use
 
     engine_info = engine.info
-    verifier_version = VERIFIER_VERSIONS.get(verifier_name, "unknown")
+    version = verifier_version(verifier_name)
     rows = []
     for state in completed:
         for sample, future in sorted(zip(state.samples, state.futures), key=lambda p: p[0].sample_index):
@@ -178,7 +188,7 @@ def generate_and_verify(
                     "finish_reason": sample.finish_reason,
                     "engine": {"name": engine_info.name, "version": engine_info.version, "dtype": engine_info.dtype},
                     "sampling": sampling.as_dict(),
-                    "verifier": {"name": verifier_name, "version": verifier_version},
+                    "verifier": {"name": verifier_name, "version": version},
                     "reward": verdict.reward,
                     "outcome": verdict.outcome.value,
                     "verify_error": verdict.error,
@@ -193,13 +203,17 @@ def generate_and_verify(
                     "verify_latency_s": verdict.latency_s,
                 }
             )
-    return RolloutResult(rows, {**rollout_stats(rows, completed, target_groups, trainable, start, end, batch_ready_at), **pool_stats})
+    return RolloutResult(
+        rows, {**rollout_stats(rows, completed, target_groups, trainable, start, end, batch_ready_at), **pool_stats}
+    )
 
 
 def context_overflow(source: str, prompt_id: str, prompt_tokens: int, max_tokens: int, max_context: int) -> str:
-    return (f"prompt {prompt_id} of {source} is {prompt_tokens} tokens; with rollout.max_tokens={max_tokens} it needs "
-            f"{prompt_tokens + max_tokens} positions but the model has {max_context}; shorten or drop the prompt, "
-            f"lower rollout.max_tokens, or use a model with a longer context")
+    return (
+        f"prompt {prompt_id} of {source} is {prompt_tokens} tokens; with rollout.max_tokens={max_tokens} it needs "
+        f"{prompt_tokens + max_tokens} positions but the model has {max_context}; shorten or drop the prompt, "
+        f"lower rollout.max_tokens, or use a model with a longer context"
+    )
 
 
 def rollout_stats(rows, completed, target_groups, trainable, start, end, batch_ready_at) -> dict[str, float]:
@@ -240,8 +254,17 @@ def rollout_stats(rows, completed, target_groups, trainable, start, end, batch_r
 
 # -- the stage ------------------------------------------------------------------------------------
 
-def run_rollout(ctx, prompts: PromptsConfig, rollout: RolloutConfig, verify: VerifyConfig, filtering: FilterConfig,
-                target_groups: int, progress=None) -> dict:
+
+def run_rollout(
+    *,
+    ctx: RoundContext,
+    prompts: PromptsConfig,
+    rollout: RolloutConfig,
+    verify: VerifyConfig,
+    filtering: FilterConfig,
+    target_groups: int,
+    progress: Annotated[Callable[[str], None] | None, NotInput("a progress callback")] = None,
+) -> Staged:
     """Generate and verify this round's samples from the parent checkpoint; stage them as Parquet."""
     from models.policy import context_length
     from storage import checkpoints
@@ -252,21 +275,33 @@ def run_rollout(ctx, prompts: PromptsConfig, rollout: RolloutConfig, verify: Ver
     root = StorageRoot.of(ctx.storage)
     committed = committed_round_version(root, ctx.run_id, ctx.round)
     if committed is not None:  # resumed after filter committed this round: generating again could only differ
-        return {"staging": None, "stats": committed.body.get("rollout_stats", {}), "resumed": True}
+        return Staged(staging=None, stats=committed.body.get("rollout_stats", {}), resumed=True)
     local = checkpoints.local_copy(root, ctx.parent_checkpoint)
-    engine, tokenizer, _ = serving_engine(rollout.engine, local, rollout.dtype, ctx.parent_policy_version, rollout.max_batch,
-                                          Placement(rollout.replicas, rollout.ray_address))
-    result = generate_and_verify(engine, tokenizer, prompts, rollout, verify, filtering, target_groups,
-                                 ctx.stage_seed("rollout"), ctx.run_id, ctx.round, progress, context_length(local))
+    engine, tokenizer, _ = serving_engine(
+        rollout.engine,
+        local,
+        rollout.dtype,
+        ctx.parent_policy_version,
+        rollout.max_batch,
+        Placement(rollout.replicas, rollout.ray_address),
+    )
+    result = generate_and_verify(
+        engine,
+        tokenizer,
+        prompts,
+        rollout,
+        verify,
+        filtering,
+        target_groups,
+        ctx.stage_seed("rollout"),
+        ctx.run_id,
+        ctx.round,
+        progress,
+        context_length(local),
+    )
     check_infra_failure_rate(result.stats, verify.max_infra_failure_rate, ctx.round)  # before anything is staged
     staging = root.rollout_staging_file(ctx.run_id, ctx.round)
     root.fs.makedirs(root.staging(ctx.run_id, ctx.round), exist_ok=True)
     with root.fs.open(staging, "wb") as f:
         f.write(table_bytes(rows_to_table(result.rows)))
-    return {"staging": staging, "stats": result.stats, "resumed": False}
-
-
-from prefect import task  # noqa: E402 -- the thin Prefect wrapper stays at the bottom
-from prefect.cache_policies import NO_CACHE  # noqa: E402
-
-rollout_task = task(name="rollout", cache_policy=NO_CACHE)(run_rollout)
+    return Staged(staging=staging, stats=result.stats)

@@ -11,20 +11,22 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from models.loss import LossInputs, LossSettings, logprob_mismatch, policy_loss, pooled_mismatch
+from tasks.config_base import Config
+from tasks.context import RoundContext
+from tasks.results import NotInput, Trained
 
 OPTIMIZER_FILE = "optimizer.pt"
 
 
-class TrainConfig(BaseModel):
+class TrainConfig(Config):
     """How the policy is updated from one round's trajectories."""
-
-    model_config = ConfigDict(extra="forbid")
 
     learning_rate: float = Field(1e-4, gt=0.0, le=1.0)
     """AdamW learning rate. 1e-4 is safe for the built-in policy; 5e-4 collapsed it in measurements."""
@@ -134,7 +136,9 @@ def train_policy(model, pad_token_id: int, batches: list[TrainBatch], config: Tr
         with torch.no_grad():
             proximal = [token_logprobs(model, p, temperature, nucleus) for p, nucleus in zip(packed, top_ps)]
     settings = config.loss_settings()
-    history: dict[str, list[float]] = {k: [] for k in ("loss", "clip_fraction", "grad_norm", "tis_mean", "tis_truncated_fraction", "kl", "ratio_mean")}
+    history: dict[str, list[float]] = {
+        k: [] for k in ("loss", "clip_fraction", "grad_norm", "tis_mean", "tis_truncated_fraction", "kl", "ratio_mean")
+    }
     lags: list[int] = []
     mismatch: list[dict[str, float]] = []
     # Forward passes stay in eval mode: dropout would make the trainer score another (random) policy
@@ -156,16 +160,29 @@ def train_policy(model, pad_token_id: int, batches: list[TrainBatch], config: Tr
         # the two agree to ~1e-6) minibatch k is scored k steps past them, so the figure also holds
         # the round's own drift, which is what the ratio corrects there.
         mismatch.append(logprob_mismatch(proximal[step] if proximal else logp.detach(), behaviour, mask))
-        inputs = LossInputs(logp, behaviour, torch.tensor(batch.advantages, dtype=torch.float32), mask,
-                            proximal[step] if proximal else None, ref, batch.max_tokens)
+        inputs = LossInputs(
+            logp,
+            behaviour,
+            torch.tensor(batch.advantages, dtype=torch.float32),
+            mask,
+            proximal[step] if proximal else None,
+            ref,
+            batch.max_tokens,
+        )
         out = policy_loss(inputs, settings)
         optimizer.zero_grad(set_to_none=True)
         out.loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
         optimizer.step()
-        for key, value in (("loss", float(out.loss.detach())), ("clip_fraction", out.clip_fraction), ("grad_norm", float(grad_norm)),
-                           ("tis_mean", out.tis_mean), ("tis_truncated_fraction", out.tis_truncated_fraction), ("kl", out.kl),
-                           ("ratio_mean", out.ratio_mean)):
+        for key, value in (
+            ("loss", float(out.loss.detach())),
+            ("clip_fraction", out.clip_fraction),
+            ("grad_norm", float(grad_norm)),
+            ("tis_mean", out.tis_mean),
+            ("tis_truncated_fraction", out.tis_truncated_fraction),
+            ("kl", out.kl),
+            ("ratio_mean", out.ratio_mean),
+        ):
             history[key].append(value)
         # Staleness in optimizer steps: the weights being trained are `step` steps past the round's
         # starting policy, plus a whole round per policy version the token lags behind it.
@@ -174,17 +191,19 @@ def train_policy(model, pad_token_id: int, batches: list[TrainBatch], config: Tr
             progress(f"train: step {step + 1}/{len(batches)} loss {out.loss.item():.4f}")
     stats = {f"train/{k}": statistics.fmean(v) for k, v in history.items() if v}
     pooled = pooled_mismatch(mismatch)
-    stats.update({
-        "train/steps": len(batches),
-        "train/samples": sum(len(b.advantages) for b in batches),
-        "train/mismatch_mean_abs": pooled["mean_abs"],
-        "train/mismatch_max_abs": pooled["max_abs"],
-        "train/mismatch_kl": pooled["kl"],
-        "train/mismatch_tokens": pooled["tokens"],
-        "train/staleness_mean_steps": statistics.fmean(lags) if lags else 0.0,
-        "train/staleness_max_steps": float(max(lags, default=0)),
-        "train/recomputed_proximal": float(recompute),
-    })
+    stats.update(
+        {
+            "train/steps": len(batches),
+            "train/samples": sum(len(b.advantages) for b in batches),
+            "train/mismatch_mean_abs": pooled["mean_abs"],
+            "train/mismatch_max_abs": pooled["max_abs"],
+            "train/mismatch_kl": pooled["kl"],
+            "train/mismatch_tokens": pooled["tokens"],
+            "train/staleness_mean_steps": statistics.fmean(lags) if lags else 0.0,
+            "train/staleness_max_steps": float(max(lags, default=0)),
+            "train/recomputed_proximal": float(recompute),
+        }
+    )
     return optimizer.state_dict(), stats
 
 
@@ -203,8 +222,17 @@ def load_optimizer(directory: str) -> dict | None:
 
 # -- the stage ------------------------------------------------------------------------------------
 
-TRAIN_COLUMNS = ["group_id", "kept", "prompt_token_ids", "completion_token_ids", "rollout_logprobs", "advantage",
-                 "token_policy_versions", "engine", "sampling"]
+TRAIN_COLUMNS = [
+    "group_id",
+    "kept",
+    "prompt_token_ids",
+    "completion_token_ids",
+    "rollout_logprobs",
+    "advantage",
+    "token_policy_versions",
+    "engine",
+    "sampling",
+]
 
 
 def needs_proximal(setting: str, rollout_dtype: str, engines: list[dict], top_ps: list[float] = ()) -> bool:
@@ -219,7 +247,10 @@ def needs_proximal(setting: str, rollout_dtype: str, engines: list[dict], top_ps
         return setting == "always"
     if rollout_dtype != "float32" or any(p < 1.0 for p in top_ps):
         return True
-    return any((e or {}).get("name", "embedded") != "embedded" or (e or {}).get("dtype", "float32") != "float32" for e in engines)
+    return any(
+        (e or {}).get("name", "embedded") != "embedded" or (e or {}).get("dtype", "float32") != "float32"
+        for e in engines
+    )
 
 
 def kept_rows(table) -> list[dict]:
@@ -228,9 +259,21 @@ def kept_rows(table) -> list[dict]:
     return table.filter(pc.field("kept")).select(TRAIN_COLUMNS).to_pylist()
 
 
-def run_train(ctx, version_uri: str, config: TrainConfig, temperature: float, rollout_dtype: str,
-              lineage_extra: dict | None = None, target_checkpoint: str | None = None, progress=None) -> dict:
-    """Train from the parent checkpoint on a committed trajectory version; commit the new checkpoint."""
+def run_train(
+    *,
+    ctx: RoundContext,
+    trajectory_uri: str,
+    config: TrainConfig,
+    temperature: float,
+    rollout_dtype: str,
+    lineage_extra: dict | None = None,
+    target_checkpoint: str | None = None,
+    progress: Annotated[Callable[[str], None] | None, NotInput("a progress callback")] = None,
+) -> Trained:
+    """Train from the parent checkpoint on a committed trajectory version; commit the new checkpoint.
+
+    ``temperature`` and ``rollout_dtype``: what the behaviour logprobs were recorded under (the loss
+    recomputes logprobs at that temperature; the dtype decides whether the proximal pass is needed)."""
     import tempfile
 
     import torch
@@ -244,12 +287,14 @@ def run_train(ctx, version_uri: str, config: TrainConfig, temperature: float, ro
     root = StorageRoot.of(ctx.storage)
     target = target_checkpoint or root.checkpoint(ctx.run_id, ctx.round)
     if checkpoints.is_committed(root, target):  # resumed after the commit: never train twice
-        return {"checkpoint": target, "stats": {}, "committed_at": None, "resumed": True}
-    manifest = read_manifest(root, version_uri)
+        return Trained(checkpoint=target, stats={}, committed_at=None, resumed=True)
+    manifest = read_manifest(root, trajectory_uri)
     rows = kept_rows(read_table(root, manifest, columns=TRAIN_COLUMNS))
     if not rows:
-        raise RuntimeError(f"trajectory version {manifest.version} has no kept samples; nothing to train on "
-                           "(check filter statistics: all groups zero-variance or failed?)")
+        raise RuntimeError(
+            f"trajectory version {manifest.version} has no kept samples; nothing to train on "
+            "(check filter statistics: all groups zero-variance or failed?)"
+        )
     parent = checkpoints.local_copy(root, ctx.parent_checkpoint)
     model, tokenizer = load_policy(parent, dtype="float32")
     base = checkpoints.base_checkpoint(root, ctx.parent_checkpoint)
@@ -257,13 +302,27 @@ def run_train(ctx, version_uri: str, config: TrainConfig, temperature: float, ro
     if config.kl_coef > 0:
         reference = parent if config.kl_reference == "parent" else checkpoints.local_copy(root, base)
         ref_model = load_policy(reference, dtype="float32")[0]
-    recompute = needs_proximal(config.recompute_proximal, rollout_dtype, [r["engine"] for r in rows],
-                               [float((r["sampling"] or {}).get("top_p") or 1.0) for r in rows])
+    recompute = needs_proximal(
+        config.recompute_proximal,
+        rollout_dtype,
+        [r["engine"] for r in rows],
+        [float((r["sampling"] or {}).get("top_p") or 1.0) for r in rows],
+    )
     batches = minibatches(rows, config.groups_per_step, config.steps_per_round)
     if progress is None:
         from tasks.report import report_progress as progress
-    state, stats = train_policy(model, tokenizer.pad_token_id, batches, config, temperature, load_optimizer(parent),
-                                ctx.parent_policy_version, recompute, ref_model, progress)
+    state, stats = train_policy(
+        model,
+        tokenizer.pad_token_id,
+        batches,
+        config,
+        temperature,
+        load_optimizer(parent),
+        ctx.parent_policy_version,
+        recompute,
+        ref_model,
+        progress,
+    )
     lineage = {
         "kind": "round",
         "run_id": ctx.run_id,
@@ -284,10 +343,4 @@ def run_train(ctx, version_uri: str, config: TrainConfig, temperature: float, ro
         save_policy(model, tokenizer, tmp)
         save_optimizer(state, tmp)
         checkpoints.commit_checkpoint(root, tmp, target, lineage)
-    return {"checkpoint": target, "stats": stats, "committed_at": time.time(), "resumed": False}
-
-
-from prefect import task  # noqa: E402 -- the thin Prefect wrapper stays at the bottom
-from prefect.cache_policies import NO_CACHE  # noqa: E402
-
-train_task = task(name="train", cache_policy=NO_CACHE)(run_train)
+    return Trained(checkpoint=target, stats=stats, committed_at=time.time())

@@ -26,7 +26,13 @@ os.environ.update(
     }
 )
 _BASE_ROOT = os.environ.pop("RLROUNDS_TEST_BASE_ROOT", None)
-for var in ("PREFECT_API_URL", "RLROUNDS_STORAGE", "RLROUNDS_MLFLOW_URI", "RLROUNDS_S3_ENDPOINT", "MLFLOW_TRACKING_URI"):
+for var in (
+    "PREFECT_API_URL",
+    "RLROUNDS_STORAGE",
+    "RLROUNDS_MLFLOW_URI",
+    "RLROUNDS_S3_ENDPOINT",
+    "MLFLOW_TRACKING_URI",
+):
     os.environ.pop(var, None)
 
 
@@ -49,13 +55,16 @@ def tiny_policy_dir(tmp_path_factory) -> str:
 
     torch.manual_seed(0)
     tokenizer = build_char_tokenizer()
-    model = build_model(BaseRecipe(hidden_size=32, num_layers=2, intermediate_size=64, num_heads=2), len(tokenizer), tokenizer)
+    model = build_model(
+        BaseRecipe(hidden_size=32, num_layers=2, intermediate_size=64, num_heads=2), len(tokenizer), tokenizer
+    )
     path = str(tmp_path_factory.mktemp("tiny-policy"))
     save_policy(model, tokenizer, path)
     return path
 
 
 # -- shared fixtures for the data suites (refilter, replay, lineage, S3) -----------------------------
+
 
 @pytest.fixture(scope="session")
 def seed_builtin_base(tmp_path_factory):
@@ -71,14 +80,14 @@ def seed_builtin_base(tmp_path_factory):
     from tasks.base import run_prepare_base
 
     build_root = _BASE_ROOT or str(tmp_path_factory.mktemp("base-build") / "data")
-    built = run_prepare_base(build_root, "builtin")  # builds only if that root has no committed base
-    source_root = StorageRoot.of(built["checkpoint"])
-    lineage = checkpoints.read_lineage(source_root, built["checkpoint"])
+    built = run_prepare_base(storage=build_root, base_model="builtin")  # builds only if that root has no committed base
+    source_root = StorageRoot.of(built.checkpoint)
+    lineage = checkpoints.read_lineage(source_root, built.checkpoint)
 
     def seed(storage: str) -> str:
         root = StorageRoot.of(storage)
-        target = root.base_policy(built["base_model"])
-        return checkpoints.commit_checkpoint(root, built["checkpoint"], target, lineage)
+        target = root.base_policy(built.base_model)
+        return checkpoints.commit_checkpoint(root, built.checkpoint, target, lineage)
 
     return seed
 
@@ -129,8 +138,14 @@ def s3_endpoint():
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     endpoint = f"http://127.0.0.1:{port}"
-    env = {"RLROUNDS_S3_ENDPOINT": endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-           "AWS_DEFAULT_REGION": "us-east-1", "AWS_SESSION_TOKEN": None, "AWS_PROFILE": None}
+    env = {
+        "RLROUNDS_S3_ENDPOINT": endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_SESSION_TOKEN": None,
+        "AWS_PROFILE": None,
+    }
     saved = {k: os.environ.get(k) for k in env}
     _set_env(env)
     boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket="rlrounds-test")

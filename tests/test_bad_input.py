@@ -50,11 +50,23 @@ def prompts_config(source: str, **round_fields) -> dict:
 @pytest.mark.parametrize(
     "name, content, fragments",
     [
-        ("broken.jsonl", '{"prompt": "1+1=", "reference": "2"}\n{"prompt": "2+2="\n', ["broken.jsonl:2: not valid JSON", "each line must be"]),
+        (
+            "broken.jsonl",
+            '{"prompt": "1+1=", "reference": "2"}\n{"prompt": "2+2="\n',
+            ["broken.jsonl:2: not valid JSON", "each line must be"],
+        ),
         ("noref.jsonl", '{"prompt": "1+1="}\n', ["record 1 lacks a string 'prompt' and a 'reference'"]),
-        ("blank.jsonl", '{"prompt": "  ", "reference": "2"}\n', ["record 1 has an empty prompt", "remove it or give it text"]),
+        (
+            "blank.jsonl",
+            '{"prompt": "  ", "reference": "2"}\n',
+            ["record 1 has an empty prompt", "remove it or give it text"],
+        ),
         ("empty.jsonl", "\n", ["holds no prompts", "add at least one record"]),
-        ("latin1.jsonl", b'{"prompt": "\xe9", "reference": "1"}\n', ["cannot be read as UTF-8 JSON lines", "rewrite it"]),
+        (
+            "latin1.jsonl",
+            b'{"prompt": "\xe9", "reference": "1"}\n',
+            ["cannot be read as UTF-8 JSON lines", "rewrite it"],
+        ),
         ("garbage.parquet", b"PAR1 this is not parquet", ["cannot be read as a Parquet file", "rewrite it"]),
     ],
 )
@@ -82,12 +94,22 @@ def test_missing_prompt_file(capsys, tmp_path):
 
 def test_prompts_longer_than_the_model_context(capsys, tmp_path, tiny_policy_dir):
     path = tmp_path / "long.jsonl"
-    path.write_text(json.dumps({"prompt": "1+1=", "reference": "2"}) + "\n"
-                    + json.dumps({"id": "too-long", "prompt": "1" * 60 + "+1=", "reference": "2"}) + "\n")
+    path.write_text(
+        json.dumps({"prompt": "1+1=", "reference": "2"})
+        + "\n"
+        + json.dumps({"id": "too-long", "prompt": "1" * 60 + "+1=", "reference": "2"})
+        + "\n"
+    )
     config = prompts_config(str(path), policy={"base_model": tiny_policy_dir}, evaluate={"source": str(path)})
     code, err, storage = run(capsys, tmp_path, config)
-    assert_one_line(code, err, "prompt too-long", "64 tokens", "rollout.max_tokens=8 it needs 72 positions but the model has 64",
-                    "lower rollout.max_tokens")
+    assert_one_line(
+        code,
+        err,
+        "prompt too-long",
+        "64 tokens",
+        "rollout.max_tokens=8 it needs 72 positions but the model has 64",
+        "lower rollout.max_tokens",
+    )
     assert written(storage) == []
 
 
@@ -102,8 +124,12 @@ def test_checkpoint_directory_missing_files(capsys, tmp_path):
     base.mkdir()
     (base / "config.json").write_text('{"model_type": "llama"}')
     code, err, storage = run(capsys, tmp_path, {"rounds": 1, "round": {"policy": {"base_model": str(base)}}})
-    assert_one_line(code, err, f"policy directory {base} is missing tokenizer_config.json, model weights",
-                    "point to a complete Hugging Face checkpoint")
+    assert_one_line(
+        code,
+        err,
+        f"policy directory {base} is missing tokenizer_config.json, model weights",
+        "point to a complete Hugging Face checkpoint",
+    )
     assert written(storage) == []
 
 
@@ -142,7 +168,7 @@ def test_resume_of_an_unknown_campaign(capsys, tmp_path):
 def _started(storage: str, config: dict, pid: int | None = None) -> None:
     """A campaign started earlier (its owner: ``pid`` on this host, or a process that has exited)."""
     from flows.config import CampaignConfig
-    from storage.campaigns import _process_started, claim, release
+    from storage.campaigns import claim, process_started, release
     from storage.paths import StorageRoot
 
     c = CampaignConfig.model_validate(config)
@@ -150,7 +176,7 @@ def _started(storage: str, config: dict, pid: int | None = None) -> None:
     release(owner)
     record = json.load(open(StorageRoot.of(storage).campaign_file(c.run_id)))
     pid = pid or 2**22 + 17  # above the kernel's pid_max default: never a live process
-    record["owner"].update(token="earlier", pid=pid, pid_started=_process_started(pid))
+    record["owner"].update(token="earlier", pid=pid, pid_started=process_started(pid))
     json.dump(record, open(StorageRoot.of(storage).campaign_file(c.run_id), "w"))
 
 

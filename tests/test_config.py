@@ -64,3 +64,65 @@ def test_cli_help_is_fast_and_lists_commands(capsys):
         main(["--help"])
     assert exit_.value.code == 0
     assert "run" in capsys.readouterr().out
+
+
+# -- each field's docstring is its help, wherever people meet the field ---------------------------------
+
+
+def test_an_out_of_range_value_gets_the_fields_help_appended(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"round": {"rollout": {"samples_per_prompt": 1}}}))
+    with pytest.raises(ConfigError) as err:
+        load_campaign_config(str(path))
+    assert str(err.value).endswith(
+        "round.rollout.samples_per_prompt: Input should be greater than or equal to 2 \u2014 "
+        "Samples per group. GRPO compares samples of one prompt, so at least 2."
+    )
+
+
+def test_a_validators_own_message_is_not_repeated_with_help(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"round": {"rollout": {"dtype": "float8"}}}))
+    with pytest.raises(ConfigError) as err:
+        load_campaign_config(str(path))
+    assert "\u2014" not in str(err.value)  # "use float32, bfloat16 or float16" already says what to set
+
+
+def test_help_reaches_nested_and_optional_models():
+    from flows.replay import ReplayRequest
+    from tasks.config_base import field_help
+
+    sandbox_memory = field_help(CampaignConfig, ("round", "verify", "sandbox", "memory_mib"))
+    assert sandbox_memory.startswith("RLIMIT_AS of each process")
+    assert field_help(ReplayRequest, ("config", "train", "learning_rate")).startswith("AdamW learning rate")
+    assert field_help(CampaignConfig, ("round", "nope")) is None
+
+
+def test_every_config_field_is_documented_in_the_json_schema_prefect_renders():
+    """Prefect builds a flow's form from its parameters' JSON schema: the docstrings are its field help."""
+    from prefect.utilities.callables import parameter_schema
+
+    from flows.campaign import rl_campaign
+
+    schema = parameter_schema(rl_campaign).model_dump_for_openapi()
+    rollout = schema["definitions"]["RolloutConfig"]["properties"]
+    assert rollout["samples_per_prompt"]["description"].startswith("Samples per group. GRPO compares samples")
+
+    def described(prop: dict) -> bool:  # a nested model's field shares its model's docstring when they are equal
+        ref = prop.get("$ref", "").rpartition("/")[2]
+        return bool(prop.get("description") or schema["definitions"].get(ref, {}).get("description"))
+
+    undocumented = [f"{name}.{field}" for name, definition in schema["definitions"].items()
+                    for field, prop in definition.get("properties", {}).items() if not described(prop)]
+    assert undocumented == []
+
+
+def test_rlrounds_config_prints_each_fields_help_and_loads_back(capsys):
+    import yaml
+
+    assert main(["config"]) == 0
+    text = capsys.readouterr().out
+    assert "  rollout:\n" in text
+    assert "    # Samples per group. GRPO compares samples of one prompt, so at least 2.\n" in text
+    assert "    samples_per_prompt: 8\n" in text
+    assert CampaignConfig.model_validate(yaml.safe_load(text)) == CampaignConfig()  # the comments change nothing

@@ -22,11 +22,16 @@ def _requests(tokenizer, n, params, prefix="g"):
 def test_greedy_matches_transformers_generate(policy):
     model, tok = policy
     engine = EmbeddedEngine(model, tok.eos_token_id, tok.pad_token_id, max_batch=2)  # forces refills
-    got = {s.group_id: s.token_ids for s in engine.generate(_requests(tok, 1, SamplingParams(temperature=0.0, max_tokens=6)))}
+    got = {
+        s.group_id: s.token_ids
+        for s in engine.generate(_requests(tok, 1, SamplingParams(temperature=0.0, max_tokens=6)))
+    }
     enc = tok(PROMPTS, padding=True, return_tensors="pt")
-    out = model.generate(**enc, max_new_tokens=6, do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    out = model.generate(
+        **enc, max_new_tokens=6, do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id
+    )
     for i in range(len(PROMPTS)):
-        expected = out[i, enc["input_ids"].shape[1]:].tolist()
+        expected = out[i, enc["input_ids"].shape[1] :].tolist()
         if tok.eos_token_id in expected:
             expected = expected[: expected.index(tok.eos_token_id) + 1]
         else:
@@ -49,7 +54,9 @@ def test_behaviour_logprobs_match_the_trainer(policy):
     model, tok = policy
     engine = EmbeddedEngine(model, tok.eos_token_id, tok.pad_token_id, max_batch=8)
     samples = list(engine.generate(_requests(tok, 3, SamplingParams(temperature=0.7, max_tokens=8, seed=1))))
-    batch = pack_sequences([list(s.prompt_token_ids) for s in samples], [s.token_ids for s in samples], tok.pad_token_id)
+    batch = pack_sequences(
+        [list(s.prompt_token_ids) for s in samples], [s.token_ids for s in samples], tok.pad_token_id
+    )
     with torch.no_grad():
         trainer = token_logprobs(model, batch, temperature=0.7)
     width = batch.input_ids.shape[1] - max(len(s.token_ids) for s in samples)
@@ -72,7 +79,9 @@ def test_finish_reasons_and_policy_versions(policy):
 def test_ignore_eos_generates_exactly_max_tokens(policy):
     model, tok = policy
     engine = EmbeddedEngine(model, tok.eos_token_id, tok.pad_token_id)
-    samples = list(engine.generate(_requests(tok, 2, SamplingParams(temperature=1.0, max_tokens=5, seed=3, ignore_eos=True))))
+    samples = list(
+        engine.generate(_requests(tok, 2, SamplingParams(temperature=1.0, max_tokens=5, seed=3, ignore_eos=True)))
+    )
     assert all(len(s.token_ids) == 5 and tok.eos_token_id not in s.token_ids for s in samples)
 
 
@@ -80,8 +89,14 @@ def test_top_p_keeps_only_the_nucleus(policy):
     model, tok = policy
     engine = EmbeddedEngine(model, tok.eos_token_id, tok.pad_token_id)
     # top_p tiny: only the most likely token survives, so sampling equals greedy
-    tiny = {s.group_id: s.token_ids for s in engine.generate(_requests(tok, 1, SamplingParams(temperature=1.0, top_p=1e-6, max_tokens=5, seed=4)))}
-    greedy = {s.group_id: s.token_ids for s in engine.generate(_requests(tok, 1, SamplingParams(temperature=0.0, max_tokens=5)))}
+    tiny = {
+        s.group_id: s.token_ids
+        for s in engine.generate(_requests(tok, 1, SamplingParams(temperature=1.0, top_p=1e-6, max_tokens=5, seed=4)))
+    }
+    greedy = {
+        s.group_id: s.token_ids
+        for s in engine.generate(_requests(tok, 1, SamplingParams(temperature=0.0, max_tokens=5)))
+    }
     assert tiny == greedy
 
 
@@ -97,3 +112,22 @@ def test_sampling_follows_the_softmax():
     stderr = (probs * (1 - probs) / 4000).sqrt()
     assert ((freq - probs).abs() < 3 * stderr + 1e-3).all(), freq
     assert torch.allclose(logprobs, probs.log()[tokens])
+
+
+def test_a_flow_releases_the_serving_engines_it_built_and_only_those(tiny_policy_dir, monkeypatch):
+    """A campaign's engine must not outlive it in a long-lived worker; an outer flow's engine stays."""
+    from tasks import engines
+
+    closed = []
+    close = engines.close_engine
+    monkeypatch.setattr(engines, "close_engine", lambda engine: (closed.append(engine), close(engine)))
+    outer, _, _ = engines.serving_engine("embedded", tiny_policy_dir, "float32", 0)
+    with engines.released_engines():
+        reused, _, _ = engines.serving_engine("embedded", tiny_policy_dir, "float32", 0)
+        built, _, _ = engines.serving_engine("embedded", tiny_policy_dir, "bfloat16", 0)
+    assert reused is outer and closed == [built]
+    again, _, _ = engines.serving_engine("embedded", tiny_policy_dir, "float32", 0)
+    assert again is outer  # live on entry: still live
+    with engines.released_engines():
+        rebuilt, _, _ = engines.serving_engine("embedded", tiny_policy_dir, "bfloat16", 0)
+    assert rebuilt is not built and closed == [built, rebuilt]  # the released one was gone: a fresh one was built

@@ -3,14 +3,16 @@ it, and a round with injected faults that completes with those samples out of th
 
 import hashlib
 import math
+import os
 import threading
 import time
 from collections import Counter
 
 import pytest
 
-from tasks.verify import (InfraFailureRateError, Outcome, Verdict, VerifierInfraError, VerifierPool, VerifyConfig,
-                          check_infra_failure_rate, run_verifier)
+from tasks.verifiers.config import VerifyConfig
+from tasks.verifiers.outcome import Outcome, Verdict, VerifierInfraError
+from tasks.verifiers.pool import InfraFailureRateError, VerifierPool, check_infra_failure_rate, run_verifier
 
 # -- what a verifier's behaviour means ------------------------------------------------------------
 
@@ -32,9 +34,21 @@ def _returns(verdict):
         (_returns(Verdict(1.0, Outcome.SUCCESS)), Outcome.SUCCESS, None),  # the model got it right
         (_returns(Verdict(0.0, Outcome.MODEL_FAILURE, "wrong")), Outcome.MODEL_FAILURE, "wrong"),  # the model's fault
         (_returns(Verdict(None, Outcome.UNKNOWN)), Outcome.UNKNOWN, None),  # ran, cannot score: never a zero
-        (_raises(VerifierInfraError("sandbox could not start")), Outcome.INFRA_FAILURE, "could not start"),  # environment
-        (_raises(KeyError("bug")), Outcome.INFRA_FAILURE, "verifier error: KeyError"),  # a verifier bug is not the model's
-        (_returns(Verdict(math.inf, Outcome.SUCCESS)), Outcome.INFRA_FAILURE, "non-finite"),  # inf would swamp advantages
+        (
+            _raises(VerifierInfraError("sandbox could not start")),
+            Outcome.INFRA_FAILURE,
+            "could not start",
+        ),  # environment
+        (
+            _raises(KeyError("bug")),
+            Outcome.INFRA_FAILURE,
+            "verifier error: KeyError",
+        ),  # a verifier bug is not the model's
+        (
+            _returns(Verdict(math.inf, Outcome.SUCCESS)),
+            Outcome.INFRA_FAILURE,
+            "non-finite",
+        ),  # inf would swamp advantages
         (_returns(Verdict(-math.inf, Outcome.MODEL_FAILURE)), Outcome.INFRA_FAILURE, "non-finite"),  # so would -inf
         (_returns(Verdict(math.nan, Outcome.SUCCESS)), Outcome.INFRA_FAILURE, "non-finite"),  # NaN poisons the group
     ],
@@ -108,7 +122,9 @@ def test_a_dead_worker_fails_its_sample_and_is_replaced():
     assert out[3].outcome == Outcome.INFRA_FAILURE and "verifier worker died: SystemExit" in out[3].error
     assert all(v.outcome == Outcome.SUCCESS for i, v in enumerate(out) if i != 3)
     stats = pool.stats()
-    assert stats["verify/worker_deaths"] == 1 and stats["verify/workers_replaced"] == 1 and not stats["verify/pool_dead"]
+    assert (
+        stats["verify/worker_deaths"] == 1 and stats["verify/workers_replaced"] == 1 and not stats["verify/pool_dead"]
+    )
 
 
 def test_a_call_that_never_returns_times_out():
@@ -136,7 +152,9 @@ def test_a_dead_pool_turns_pending_samples_into_infra_failures():
         out = verdicts(pool, 20)
         late = pool.submit("late", "x").result(timeout=5)
     assert all(v.outcome == Outcome.INFRA_FAILURE and v.reward is None for v in out)
-    assert sum("verifier worker died" in v.error for v in out) == 2 and sum("pool is dead" in v.error for v in out) == 18
+    assert (
+        sum("verifier worker died" in v.error for v in out) == 2 and sum("pool is dead" in v.error for v in out) == 18
+    )
     assert late.outcome == Outcome.INFRA_FAILURE and pool.stats()["verify/pool_dead"] == 1.0
 
 
@@ -166,7 +184,6 @@ def own_engines():
     drop_serving_engines()
     yield
     drop_serving_engines()
-
 
 
 class InjectedFaults:
@@ -199,74 +216,149 @@ class InjectedFaults:
         return Verdict(1.0, Outcome.SUCCESS) if h % 3 == 0 else Verdict(0.0, Outcome.MODEL_FAILURE)
 
 
-def test_injected_faults_are_labelled_kept_out_of_the_loss_and_the_round_completes(tmp_path, tiny_policy_dir, monkeypatch,
-                                                                                   own_engines):
+def test_injected_faults_are_labelled_kept_out_of_the_loss_and_the_round_completes(
+    tmp_path, tiny_policy_dir, monkeypatch, own_engines
+):
     import pyarrow.compute as pc
 
     from flows.config import RoundConfig
     from storage.paths import StorageRoot
     from storage.trajectories import read_manifest, read_table
-    from tasks import verify
     from tasks.context import RoundContext
     from tasks.filter import run_filter
     from tasks.rollout import run_rollout
     from tasks.train import kept_rows, run_train
+    from tasks.verifiers import registry
+    from tasks.verifiers.registry import VerifierSpec
 
     faults = InjectedFaults()
-    monkeypatch.setitem(verify.VERIFIERS, "faulty", faults)
-    config = RoundConfig.model_validate({
-        "verify": {"verifier": "faulty", "infra_retries": 2, "infra_retry_budget": 64, "timeout_s": 0.5,
-                   "max_infra_failure_rate": 0.5},
-        "rollout": {"samples_per_prompt": 4, "max_tokens": 3},
-        "train": {"groups_per_step": 4, "steps_per_round": 2},
-    })
-    ctx = RoundContext(storage=str(tmp_path), run_id="faults", round=1, experiment="t", parent_checkpoint=tiny_policy_dir,
-                       parent_policy_version=0, parent_model_version="none", base_model="tiny", config_hash="h",
-                       code_version="test", flow_run_id="none", mlflow_run_id="none", seed=3)
-    rollout = run_rollout(ctx, config.prompts, config.rollout, config.verify, config.filter, config.target_groups)
-    trajectories = run_filter(ctx, rollout["staging"], config.filter, config.target_groups, rollout["stats"])
-    trained = run_train(ctx, trajectories["uri"], config.train, config.rollout.temperature, config.rollout.dtype)
+    monkeypatch.setitem(registry.VERIFIERS, "faulty", VerifierSpec("test", lambda _config: faults))
+    config = RoundConfig.model_validate(
+        {
+            "verify": {
+                "verifier": "faulty",
+                "infra_retries": 2,
+                "infra_retry_budget": 64,
+                "timeout_s": 0.5,
+                "max_infra_failure_rate": 0.5,
+            },
+            "rollout": {"samples_per_prompt": 4, "max_tokens": 3},
+            "train": {"groups_per_step": 4, "steps_per_round": 2},
+        }
+    )
+    ctx = RoundContext(
+        storage=str(tmp_path),
+        run_id="faults",
+        round=1,
+        experiment="t",
+        parent_checkpoint=tiny_policy_dir,
+        parent_policy_version=0,
+        parent_model_version="none",
+        base_model="tiny",
+        config_hash="h",
+        code_version="test",
+        flow_run_id="none",
+        mlflow_run_id="none",
+        seed=3,
+    )
+    rollout = run_rollout(
+        ctx=ctx,
+        prompts=config.prompts,
+        rollout=config.rollout,
+        verify=config.verify_resolved,
+        filtering=config.filter,
+        target_groups=config.target_groups,
+    )
+    trajectories = run_filter(
+        ctx=ctx,
+        staging=rollout.staging,
+        config=config.filter,
+        target_groups=config.target_groups,
+        rollout_stats=rollout.stats,
+    )
+    trained = run_train(
+        ctx=ctx,
+        trajectory_uri=trajectories.uri,
+        config=config.train,
+        temperature=config.rollout.temperature,
+        rollout_dtype=config.rollout.dtype,
+    )
 
-    stats = rollout["stats"]
-    table = read_table(StorageRoot.of(str(tmp_path)), read_manifest(StorageRoot.of(str(tmp_path)), trajectories["uri"]))
+    stats = rollout.stats
+    table = read_table(StorageRoot.of(str(tmp_path)), read_manifest(StorageRoot.of(str(tmp_path)), trajectories.uri))
     rows = table.to_pylist()
     infra = [r for r in rows if r["outcome"] == "infra_failure"]
     assert infra and stats["verify/infra_failure"] == len(infra)
-    assert all(not r["kept"] and r["drop_reason"] == "infra_failure" and r["reward"] is None and r["verify_error"] for r in infra)
+    assert all(
+        not r["kept"] and r["drop_reason"] == "infra_failure" and r["reward"] is None and r["verify_error"]
+        for r in infra
+    )
     errors = " | ".join(r["verify_error"] for r in infra)
     assert "sandbox could not start" in errors and "(after 3 attempts)" in errors  # retried, then recorded
     assert "verifier worker died" in errors and "no verdict within 0.5s" in errors
-    assert stats["verify/infra_recovered"] > 0 and stats["verify/worker_deaths"] == 1 and stats["verify/verifier_timeouts"] == 1
+    assert (
+        stats["verify/infra_recovered"] > 0
+        and stats["verify/worker_deaths"] == 1
+        and stats["verify/verifier_timeouts"] == 1
+    )
     assert stats["verify/workers_replaced"] >= 1  # 2 unless the round ended before the pool noticed a loss
     # The loss sees exactly the kept rows, and none of them is an infrastructure failure.
     trainable = kept_rows(table)
-    assert trained["stats"]["train/samples"] == len(trainable) == table.filter(pc.field("kept")).num_rows > 0
+    assert trained.stats["train/samples"] == len(trainable) == table.filter(pc.field("kept")).num_rows > 0
     kept_ids = {(r["group_id"], r["sample_index"]) for r in rows if r["kept"]}
     assert not kept_ids & {(r["group_id"], r["sample_index"]) for r in infra}
-    assert trained["checkpoint"].endswith("checkpoint")
-    print(f"\ninjected faults: infra failure rate {stats['verify/infra_failure_rate']:.1%} "
-          f"({len(infra)}/{len(rows)} samples), retries {stats['verify/infra_retries']:.0f}, "
-          f"recovered {stats['verify/infra_recovered']:.0f}, workers replaced {stats['verify/workers_replaced']:.0f}")
+    assert trained.checkpoint.endswith("checkpoint")
+    print(
+        f"\ninjected faults: infra failure rate {stats['verify/infra_failure_rate']:.1%} "
+        f"({len(infra)}/{len(rows)} samples), retries {stats['verify/infra_retries']:.0f}, "
+        f"recovered {stats['verify/infra_recovered']:.0f}, workers replaced {stats['verify/workers_replaced']:.0f}"
+    )
 
 
-def test_a_round_past_the_infra_failure_limit_fails_loudly_and_stages_nothing(tmp_path, tiny_policy_dir, monkeypatch,
-                                                                             own_engines):
+def test_a_round_past_the_infra_failure_limit_fails_loudly_and_stages_nothing(
+    tmp_path, tiny_policy_dir, monkeypatch, own_engines
+):
     from flows.config import RoundConfig
     from storage.paths import StorageRoot
-    from tasks import verify
     from tasks.context import RoundContext
     from tasks.rollout import run_rollout
+    from tasks.verifiers import registry
+    from tasks.verifiers.registry import VerifierSpec
 
     def broken(completion, reference):
         raise VerifierInfraError("sandbox could not start: /proc is read-only")
 
-    monkeypatch.setitem(verify.VERIFIERS, "broken", broken)
-    config = RoundConfig.model_validate({"verify": {"verifier": "broken", "infra_retry_budget": 8},
-                                         "rollout": {"samples_per_prompt": 2, "max_tokens": 2, "max_prompts_factor": 2},
-                                         "train": {"groups_per_step": 2, "steps_per_round": 1}})
-    ctx = RoundContext(storage=str(tmp_path), run_id="broken", round=1, experiment="t", parent_checkpoint=tiny_policy_dir,
-                       parent_policy_version=0, parent_model_version="none", base_model="tiny", config_hash="h",
-                       code_version="test", flow_run_id="none", mlflow_run_id="none", seed=0)
+    monkeypatch.setitem(registry.VERIFIERS, "broken", VerifierSpec("test", lambda _config: broken))
+    config = RoundConfig.model_validate(
+        {
+            "verify": {"verifier": "broken", "infra_retry_budget": 8},
+            "rollout": {"samples_per_prompt": 2, "max_tokens": 2, "max_prompts_factor": 2},
+            "train": {"groups_per_step": 2, "steps_per_round": 1},
+        }
+    )
+    ctx = RoundContext(
+        storage=str(tmp_path),
+        run_id="broken",
+        round=1,
+        experiment="t",
+        parent_checkpoint=tiny_policy_dir,
+        parent_policy_version=0,
+        parent_model_version="none",
+        base_model="tiny",
+        config_hash="h",
+        code_version="test",
+        flow_run_id="none",
+        mlflow_run_id="none",
+        seed=0,
+    )
     with pytest.raises(InfraFailureRateError, match="100.0% of samples failed for infrastructure reasons"):
-        run_rollout(ctx, config.prompts, config.rollout, config.verify, config.filter, config.target_groups)
-    assert not StorageRoot.of(str(tmp_path)).fs.exists(StorageRoot.of(str(tmp_path)).run("broken"))
+        run_rollout(
+            ctx=ctx,
+            prompts=config.prompts,
+            rollout=config.rollout,
+            verify=config.verify_resolved,
+            filtering=config.filter,
+            target_groups=config.target_groups,
+        )
+    root = StorageRoot.of(str(tmp_path))
+    assert not root.fs.exists(os.path.dirname(root.campaign_file("broken")))  # nothing of the run was written

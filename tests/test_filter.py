@@ -29,7 +29,10 @@ def test_group_advantages_by_hand():
 
 def _rows(group, rewards, outcomes=None):
     outcomes = outcomes or ["success" if r == 1.0 else "model_failure" for r in rewards]
-    return [{"group_id": group, "sample_index": i, "reward": r, "outcome": o} for i, (r, o) in enumerate(zip(rewards, outcomes))]
+    return [
+        {"group_id": group, "sample_index": i, "reward": r, "outcome": o}
+        for i, (r, o) in enumerate(zip(rewards, outcomes))
+    ]
 
 
 def test_zero_variance_groups_are_dropped_with_reason():

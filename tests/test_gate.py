@@ -9,9 +9,11 @@ import pytest
 
 from tasks.evaluate import EvaluateConfig
 from tasks.prompts import PromptsConfig
-from tasks.verify import Outcome, Verdict, VerifierInfraError
+from tasks.verifiers.config import VerifyConfig
+from tasks.verifiers.outcome import Outcome, Verdict, VerifierInfraError
 
 NAME = "gate-policy"
+JUDGE = VerifyConfig(verifier="judge")
 
 
 def _even(reference: str) -> bool:
@@ -39,37 +41,64 @@ def registry(tmp_path, tiny_policy_dir, monkeypatch):
     from storage.lineage import Tracker
     from storage.paths import StorageRoot
     from storage.settings import settings
-    from tasks import verify
     from tasks.engines import drop_serving_engines
     from tasks.publish import lineage_tags
+    from tasks.verifiers import registry as verifiers
+    from tasks.verifiers.registry import VerifierSpec
 
     judge = Judge()
-    monkeypatch.setitem(verify.VERIFIERS, "judge", judge)
+    monkeypatch.setitem(verifiers.VERIFIERS, "judge", VerifierSpec("test", lambda _config: judge))
     drop_serving_engines()
     storage = str(tmp_path / "data")
     tracker = Tracker.connect(settings(), StorageRoot.of(storage))
     run = tracker.ensure_run(tracker.experiment_id("gate"), "gate", {"rlrounds.test": "gate"})
 
     def register(k: int) -> str:
-        tags = lineage_tags(round_index=k, run_id="gate", parent_model_version="none", trajectory_version="none",
-                            base_model="tiny", config_hash="h", code_version="test", prefect_flow_run_id="none")
+        tags = lineage_tags(
+            round_index=k,
+            run_id="gate",
+            parent_model_version="none",
+            trajectory_version="none",
+            base_model="tiny",
+            config_hash="h",
+            code_version="test",
+            prefect_flow_run_id="none",
+        )
         return f"{NAME}/{tracker.register(NAME, tiny_policy_dir, run, tags)}"
 
     yield {"storage": storage, "tracker": tracker, "run": run, "register": register, "judge": judge}
     drop_serving_engines()
 
 
-def _evaluate(registry, k: int, mode: str, model_version: str, config: EvaluateConfig = EvaluateConfig()) -> dict:
+def _evaluate(registry, k: int, mode: str, model_version: str, config: EvaluateConfig | None = None) -> dict:
     from tasks.context import RoundContext
     from tasks.evaluate import run_evaluate
 
     registry["judge"].mode = mode
-    ctx = RoundContext(storage=registry["storage"], run_id="gate", round=k, experiment="gate",
-                       parent_checkpoint="unused", parent_policy_version=k - 1, parent_model_version="none",
-                       base_model="tiny", config_hash="h", code_version="test", flow_run_id="none",
-                       mlflow_run_id=registry["run"], seed=0)
+    ctx = RoundContext(
+        storage=registry["storage"],
+        run_id="gate",
+        round=k,
+        experiment="gate",
+        parent_checkpoint="unused",
+        parent_policy_version=k - 1,
+        parent_model_version="none",
+        base_model="tiny",
+        config_hash="h",
+        code_version="test",
+        flow_run_id="none",
+        mlflow_run_id=registry["run"],
+        seed=0,
+    )
     checkpoint = registry["tracker"].model_version(*model_version.split("/")).source
-    return run_evaluate(ctx, config, PromptsConfig(), "judge", checkpoint, model_version)
+    return run_evaluate(
+        ctx=ctx,
+        config=config or EvaluateConfig(),
+        prompts=PromptsConfig(),
+        verify=JUDGE,
+        checkpoint=checkpoint,
+        model_version=model_version,
+    ).stats
 
 
 def _champion(registry) -> str:
@@ -121,15 +150,44 @@ def test_rlrounds_eval_and_replay_never_move_the_alias(registry):
     v1, v2 = registry["register"](0), registry["register"](1)
     _evaluate(registry, 0, "half", v1)
     registry["judge"].mode = "right"  # whatever they score is better than the champion's
-    scored = run_evaluate_version(registry["storage"], v2, EvaluateConfig(), PromptsConfig(), "judge")
-    assert scored["eval/accuracy"] == 1.0 and _champion(registry) == v1
-    ctx = RoundContext(storage=registry["storage"], run_id="replay-x", round=1, experiment="gate",
-                       parent_checkpoint=registry["tracker"].model_version(NAME, "1").source, parent_policy_version=0,
-                       parent_model_version=v1, base_model="tiny", config_hash="h", code_version="test",
-                       flow_run_id="none", mlflow_run_id=registry["run"], seed=0)
-    plan = ReplayPlan(replay_id="replay-x", context=ctx, trajectory_version="t" * 20, trajectory_uri="none",
-                      train=TrainConfig(), temperature=1.0, rollout_dtype="float32", checkpoint=ctx.parent_checkpoint,
-                      model_name=NAME, source={})
-    replayed = run_publish_replay(plan, ctx.parent_checkpoint, {}, EvaluateConfig(), PromptsConfig(), "judge")
-    assert replayed["stats"]["eval/accuracy"] == 1.0
+    scored = run_evaluate_version(
+        storage=registry["storage"], model_version=v2, config=EvaluateConfig(), prompts=PromptsConfig(), verify=JUDGE
+    )
+    assert scored.stats["eval/accuracy"] == 1.0 and _champion(registry) == v1
+    ctx = RoundContext(
+        storage=registry["storage"],
+        run_id="replay-x",
+        round=1,
+        experiment="gate",
+        parent_checkpoint=registry["tracker"].model_version(NAME, "1").source,
+        parent_policy_version=0,
+        parent_model_version=v1,
+        base_model="tiny",
+        config_hash="h",
+        code_version="test",
+        flow_run_id="none",
+        mlflow_run_id=registry["run"],
+        seed=0,
+    )
+    plan = ReplayPlan(
+        replay_id="replay-x",
+        context=ctx,
+        trajectory_version="t" * 20,
+        trajectory_uri="none",
+        train=TrainConfig(),
+        temperature=1.0,
+        rollout_dtype="float32",
+        checkpoint=ctx.parent_checkpoint,
+        model_name=NAME,
+        source={},
+    )
+    replayed = run_publish_replay(
+        plan=plan,
+        checkpoint=ctx.parent_checkpoint,
+        train_stats={},
+        evaluate=EvaluateConfig(),
+        prompts=PromptsConfig(),
+        verify=JUDGE,
+    )
+    assert replayed.stats["eval/accuracy"] == 1.0
     assert _champion(registry) == v1

@@ -14,7 +14,14 @@ from flows.cli import main
 from storage import checkpoints
 from storage.gc import collect, find_leftovers
 from storage.paths import StorageRoot
-from storage.trajectories import TrajectoryStoreError, find_version, list_manifests, read_table, rows_to_table, write_version
+from storage.trajectories import (
+    TrajectoryStoreError,
+    find_version,
+    list_manifests,
+    read_table,
+    rows_to_table,
+    write_version,
+)
 
 # A real writer process. The commit step is replaced by a stall, so the parent can SIGKILL it at the
 # exact point a crash hurts most: every part on disk, no manifest yet.
@@ -32,8 +39,8 @@ def stall(*args, **kwargs):
 store._commit_manifest = stall
 root = StorageRoot.of(sys.argv[1])
 rows = [make_row(g, i, float(i % 2)) for g in range(3) for i in range(4)]
-store.write_version(root, lambda v: root.trajectory_version("run", 1, v), store.rows_to_table(rows),
-                    {"kind": "rollout", "run_id": "run", "round": 1, "parent": None, "derivation": {"writer": "killed"}})
+meta = {"kind": "rollout", "run_id": "run", "round": 1, "parent": None, "derivation": {"writer": "killed"}}
+store.write_version(root, lambda v: root.trajectory_version("run", 1, v), store.rows_to_table(rows), meta)
 print("committed", flush=True)
 """
 
@@ -61,8 +68,13 @@ def root(tmp_path):
 def test_writer_killed_before_manifest_leaves_invisible_version_that_gc_removes(root, capsys):
     committed = _commit(root, "survivor")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    writer = subprocess.Popen([sys.executable, "-c", WRITER, root.uri, os.path.dirname(__file__)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    writer = subprocess.Popen(
+        [sys.executable, "-c", WRITER, root.uri, os.path.dirname(__file__)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         line = writer.stdout.readline()
         assert line.strip() == "parts written", writer.stderr.read()

@@ -21,7 +21,9 @@ def test_lineage_of_a_three_round_campaign_lists_every_round_and_the_base(tiny_c
 
     assert main(["lineage", final, "--storage", storage]) == 0
     text = capsys.readouterr().out
-    assert text.startswith(f"lineage of tiny-policy/4: 3 trained step(s) back to the base builtin-addition-v{RECIPE_VERSION}\n")
+    assert text.startswith(
+        f"lineage of tiny-policy/4: 3 trained step(s) back to the base builtin-addition-v{RECIPE_VERSION}\n"
+    )
     for k in (3, 2, 1):
         assert f"tiny-policy/{k + 1}  round {k}  (round of run tiny)" in text
         assert f"{rounds[k]['trajectory_version']} rollout of run tiny round {k}" in text
@@ -38,7 +40,12 @@ def test_lineage_of_a_three_round_campaign_lists_every_round_and_the_base(tiny_c
     for step, k in zip(steps[:3], (3, 2, 1)):
         assert step["kind"] == "round" and step["trajectory_version"] == rounds[k]["trajectory_version"]
         origin = step["derivation"][0]
-        assert (origin["kind"], origin["run_id"], origin["round"], origin["policy_version"]) == ("rollout", "tiny", k, k - 1)
+        assert (origin["kind"], origin["run_id"], origin["round"], origin["policy_version"]) == (
+            "rollout",
+            "tiny",
+            k,
+            k - 1,
+        )
         assert origin["rows"] > 0 and origin["target_groups"] == 4
     assert steps[3]["kind"] == "base" and steps[3]["trajectory_version"] == "none" and steps[3]["derivation"] == []
     assert len({s["prefect_flow_run_id"] for s in steps}) == 4  # each round its own flow run (the base: the campaign's)
@@ -56,23 +63,37 @@ def test_lineage_through_a_replay_of_a_derived_version(tiny_campaign, capsys):
 
     assert main(["lineage", replay["model_version"], "--json", "--storage", storage]) == 0
     steps = json.loads(capsys.readouterr().out)
-    assert [s["model_version"] for s in steps] == [replay["model_version"], "tiny-policy/3", "tiny-policy/2", "tiny-policy/1"]
+    assert [s["model_version"] for s in steps] == [
+        replay["model_version"],
+        "tiny-policy/3",
+        "tiny-policy/2",
+        "tiny-policy/1",
+    ]
     top = steps[0]
     assert top["kind"] == "replay" and top["run_id"] == replay["replay_id"] and top["trajectory_version"] == derived
-    assert [(d["version"], d["kind"]) for d in top["derivation"]] == [(derived, "derived"), (rounds[3]["trajectory_version"], "rollout")]
+    assert [(d["version"], d["kind"]) for d in top["derivation"]] == [
+        (derived, "derived"),
+        (rounds[3]["trajectory_version"], "rollout"),
+    ]
     assert top["derivation"][0]["where"] == where and top["derivation"][0]["regroup"] is True
     assert all(top[f] for f in FIELDS) and "accuracy" in top["evaluation"]
 
     assert main(["lineage", replay["model_version"], "--storage", storage]) == 0
     text = capsys.readouterr().out
     assert f"(replay of run {replay['replay_id']})" in text
-    assert f"{derived} derived where \"{where}\", regrouped" in text and f"<- {rounds[3]['trajectory_version']} rollout" in text
+    assert (
+        f'{derived} derived where "{where}", regrouped' in text
+        and f"<- {rounds[3]['trajectory_version']} rollout" in text
+    )
 
 
-@pytest.mark.parametrize("ref, message", [
-    ("tiny-policy", "must look like NAME/VERSION"),
-    ("tiny-policy/99", "no registered model version tiny-policy/99"),
-])
+@pytest.mark.parametrize(
+    "ref, message",
+    [
+        ("tiny-policy", "must look like NAME/VERSION"),
+        ("tiny-policy/99", "no registered model version tiny-policy/99"),
+    ],
+)
 def test_lineage_user_errors_are_one_line(tiny_campaign, capsys, ref, message):
     assert main(["lineage", ref, "--storage", tiny_campaign["storage"]]) == 2
     err = capsys.readouterr().err

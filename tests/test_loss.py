@@ -56,7 +56,9 @@ def test_sequence_aggregation_weighs_samples_equally():
 
 def test_gradient_points_up_for_positive_advantage():
     logp = torch.tensor([[-1.0]], requires_grad=True)
-    out = policy_loss(LossInputs(logp, torch.tensor([[-1.0]]), torch.tensor([2.0]), torch.tensor([[1.0]])), LossSettings())
+    out = policy_loss(
+        LossInputs(logp, torch.tensor([[-1.0]]), torch.tensor([2.0]), torch.tensor([[1.0]])), LossSettings()
+    )
     out.loss.backward()
     assert float(logp.grad) == pytest.approx(-2.0)  # d(-ratio*A)/dlogp at ratio 1 = -A
 

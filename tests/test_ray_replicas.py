@@ -58,7 +58,9 @@ def test_replicas_give_the_samples_one_engine_gives(router, tiny_policy_dir):
     params = SamplingParams(temperature=1.0, max_tokens=6, seed=9)
     got = {(s.group_id, s.sample_index): (s.token_ids, s.logprobs) for s in engine.generate(_requests(tok, 4, params))}
     single = build_engine("embedded", tiny_policy_dir, "float32", 0)
-    expected = {(s.group_id, s.sample_index): (s.token_ids, s.logprobs) for s in single.generate(_requests(tok, 4, params))}
+    expected = {
+        (s.group_id, s.sample_index): (s.token_ids, s.logprobs) for s in single.generate(_requests(tok, 4, params))
+    }
     assert got.keys() == expected.keys() and len(got) == 4 * len(PROMPTS)  # every group complete
     for key, (tokens, logprobs) in got.items():  # per-sample seeds: the replica does not matter
         assert tokens == expected[key][0] and logprobs == pytest.approx(expected[key][1], abs=1e-5)
@@ -115,7 +117,10 @@ def test_weights_reach_every_replica_in_place(router, tiny_policy_dir, tmp_path)
     assert engine.load_weights(str(tmp_path), 4) >= 0.0 and engine.policy_version == 4
     assert [version for _, version in ray.get([a.describe.remote() for a in engine.actors])] == [4, 4]
     after = list(engine.generate(_requests(tok, 1, greedy)))
-    expected = {s.group_id: s.token_ids for s in EmbeddedEngine(model, tok.eos_token_id, tok.pad_token_id).generate(_requests(tok, 1, greedy))}
+    expected = {
+        s.group_id: s.token_ids
+        for s in EmbeddedEngine(model, tok.eos_token_id, tok.pad_token_id).generate(_requests(tok, 1, greedy))
+    }
     assert {s.group_id: s.token_ids for s in after} == expected != before
     assert all(s.token_policy_versions == [4] * len(s.token_ids) for s in after)
     engine.load_weights(tiny_policy_dir, 0)
@@ -123,23 +128,38 @@ def test_weights_reach_every_replica_in_place(router, tiny_policy_dir, tmp_path)
 
 # -- a real round ---------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def campaign(prefect_harness, seed_builtin_base, tmp_path_factory):
+    """The campaign, and what each engine it released served when its flow finished."""
     from flows.campaign import rl_campaign
     from flows.config import CampaignConfig
+    from tasks import engines
 
     storage = str(tmp_path_factory.mktemp("ray") / "data")
     seed_builtin_base(storage)
-    return storage, rl_campaign(CampaignConfig.model_validate(CAMPAIGN), storage=storage)
+    released = []
+    close = engines.close_engine
+
+    def observed_close(engine):
+        actors = getattr(engine, "actors", [])
+        released.append((engine, [version for _, version in ray.get([a.describe.remote() for a in actors])]))
+        close(engine)
+
+    engines.close_engine = observed_close
+    try:
+        result = rl_campaign(CampaignConfig.model_validate(CAMPAIGN), storage=storage)
+    finally:
+        engines.close_engine = close
+    return storage, result, released
 
 
 def test_a_round_on_two_replicas_completes_every_group_with_the_usual_rows(campaign):
     from models.replicas import ReplicaRouter
     from storage.paths import StorageRoot
     from storage.trajectories import arrow_schema, list_manifests, read_table
-    from tasks.engines import serving_engine
 
-    storage, result = campaign
+    storage, result, released = campaign
     root = StorageRoot.of(storage)
     (manifest,) = list_manifests(root)
     table = read_table(root, manifest)
@@ -149,12 +169,15 @@ def test_a_round_on_two_replicas_completes_every_group_with_the_usual_rows(campa
     for r in rows:
         sizes[r["group_id"]] = sizes.get(r["group_id"], 0) + 1
         assert r["engine"]["name"] == "embedded" and r["token_policy_versions"] == [0] * len(r["completion_token_ids"])
-        assert len(r["completion_token_ids"]) == len(r["rollout_logprobs"]) >= 1 and r["outcome"] in ("success", "model_failure")
+        assert len(r["completion_token_ids"]) == len(r["rollout_logprobs"]) >= 1 and r["outcome"] in (
+            "success",
+            "model_failure",
+        )
     assert set(sizes.values()) == {8}  # every group started was completed
     assert len({r["group_id"] for r in rows if r["kept"]}) == 8
     assert result["rounds"][1]["accuracy"] >= 0.0
 
-    # publish reached the replicas in place: the live engine is the router, serving round 1
-    engine, _, pause = serving_engine("embedded", root.checkpoint("ray", 1), "float32", 1)
-    assert isinstance(engine, ReplicaRouter) and engine.replicas == 2 and pause == 0.0
-    assert [version for _, version in ray.get([a.describe.remote() for a in engine.actors])] == [1, 1]
+    # publish reached the replicas in place: the campaign's one engine is the router, serving round 1 when
+    # the campaign released it (its actors gone with it: a worker process keeps nothing of a finished campaign)
+    ((engine, versions),) = released
+    assert isinstance(engine, ReplicaRouter) and engine.replicas == 2 and versions == [1, 1]

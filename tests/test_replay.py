@@ -28,7 +28,9 @@ def replay(tiny_campaign) -> dict:
 
     rounds = tiny_campaign["result"]["rounds"]
     round_config = CampaignConfig.model_validate(tiny_campaign["config"]).round
-    request = ReplayRequest(trajectories=rounds[2]["trajectory_version"], from_model=rounds[1]["model_version"], config=round_config)
+    request = ReplayRequest(
+        trajectories=rounds[2]["trajectory_version"], from_model=rounds[1]["model_version"], config=round_config
+    )
     return rl_replay(request, storage=tiny_campaign["storage"])
 
 
@@ -40,10 +42,18 @@ def test_replaying_round_two_from_round_one_reproduces_its_weights_bitwise(tiny_
     root = StorageRoot.of(storage)
     original, replayed = root.checkpoint("tiny", 2), replay["checkpoint"]
     assert replayed == root.replay_checkpoint(replay["replay_id"]) != original
-    assert open(os.path.join(replayed, "model.safetensors"), "rb").read() == open(os.path.join(original, "model.safetensors"), "rb").read()
-    a, b = load_file(os.path.join(original, "model.safetensors")), load_file(os.path.join(replayed, "model.safetensors"))
+    assert (
+        open(os.path.join(replayed, "model.safetensors"), "rb").read()
+        == open(os.path.join(original, "model.safetensors"), "rb").read()
+    )
+    a, b = (
+        load_file(os.path.join(original, "model.safetensors")),
+        load_file(os.path.join(replayed, "model.safetensors")),
+    )
     assert a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and a[k].equal(b[k]) for k in a)
-    assert any(not a[k].equal(load_file(os.path.join(root.checkpoint("tiny", 1), "model.safetensors"))[k]) for k in a)  # it did train
+    assert any(
+        not a[k].equal(load_file(os.path.join(root.checkpoint("tiny", 1), "model.safetensors"))[k]) for k in a
+    )  # it did train
 
     name, version = replay["model_version"].split("/")
     tags = _tracker(storage).model_version(name, version).tags
@@ -61,20 +71,35 @@ def test_replaying_round_two_from_round_one_reproduces_its_weights_bitwise(tiny_
 def test_cli_replay_defaults_to_the_recorded_training_config_and_is_idempotent(tiny_campaign, replay, capsys):
     capsys.readouterr()
     rounds = tiny_campaign["result"]["rounds"]
-    argv = ["replay", "--trajectories", rounds[2]["trajectory_version"][:10], "--from-model", rounds[1]["model_version"],
-            "--storage", tiny_campaign["storage"]]
+    argv = [
+        "replay",
+        "--trajectories",
+        rounds[2]["trajectory_version"][:10],
+        "--from-model",
+        rounds[1]["model_version"],
+        "--storage",
+        tiny_campaign["storage"],
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     # same inputs (the round's recorded training config) -> same replay id, same checkpoint, same model version
-    assert out.startswith(f"{replay['replay_id']}: {rounds[1]['model_version']} + trajectories {rounds[2]['trajectory_version']} "
-                          f"-> {replay['model_version']}")
+    assert out.startswith(
+        f"{replay['replay_id']}: {rounds[1]['model_version']} + trajectories {rounds[2]['trajectory_version']} "
+        f"-> {replay['model_version']}"
+    )
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--from-model", "tiny-policy"], "must be a registered model version NAME/VERSION"),
-    (["--from-model", "tiny-policy/99"], "no registered model version tiny-policy/99"),
-    (["--from-model", "tiny-policy/2", "--config", "/nonexistent.yaml"], "config file /nonexistent.yaml does not exist"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--from-model", "tiny-policy"], "must be a registered model version NAME/VERSION"),
+        (["--from-model", "tiny-policy/99"], "no registered model version tiny-policy/99"),
+        (
+            ["--from-model", "tiny-policy/2", "--config", "/nonexistent.yaml"],
+            "config file /nonexistent.yaml does not exist",
+        ),
+    ],
+)
 def test_cli_replay_user_errors_are_one_line(tiny_campaign, capsys, argv, message):
     version = tiny_campaign["result"]["rounds"][2]["trajectory_version"]
     assert main(["replay", "--trajectories", version, *argv, "--storage", tiny_campaign["storage"]]) == 2

@@ -9,12 +9,28 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import UTC
+from typing import Annotated
 
 import pytest
 
-from storage.campaigns import (CampaignError, Owner, _process_started, assert_owner, claim, current_owner, owner_alive,
-                               read_stage, release, stored_config, write_stage)
+from storage.campaigns import (
+    CampaignError,
+    Owner,
+    assert_owner,
+    claim,
+    current_owner,
+    owner_alive,
+    process_started,
+    read_stage,
+    release,
+    stored_config,
+    write_stage,
+)
 from storage.paths import StorageRoot
+from tasks.context import RoundContext
+from tasks.filter import FilterConfig
+from tasks.results import NotInput, TrajectoryVersion
 
 CONFIG = {"rounds": 2, "run_id": "r1", "round": {"seed": 1}}
 IDENTITY = {"experiment": "rlrounds", "round": {"seed": 1}}
@@ -54,7 +70,7 @@ def test_one_of_many_concurrent_starts_wins(tmp_path):
         t.join()
     assert len(won) == 1 and len(lost) == 7
     assert all("already holds a campaign" in m or "started by another process" in m for m in lost)
-    assert os.listdir(root.run("r1")) == ["campaign.json"]  # the losers wrote nothing
+    assert os.listdir(os.path.dirname(root.campaign_file("r1"))) == ["campaign.json"]  # the losers wrote nothing
     release(won[0])
 
 
@@ -83,7 +99,7 @@ def test_a_live_owner_keeps_its_campaign(tmp_path):
     with pytest.raises(CampaignError, match="is still running as pid"):
         claim(root, "r1", CONFIG, IDENTITY, "resume")  # same process, token still held
     release(owner)
-    _record_owner(root, "r1", token="elsewhere", pid=os.getppid(), pid_started=_process_started(os.getppid()))  # alive
+    _record_owner(root, "r1", token="elsewhere", pid=os.getppid(), pid_started=process_started(os.getppid()))  # alive
     with pytest.raises(CampaignError, match="is still running"):
         claim(root, "r1", CONFIG, IDENTITY, "auto")
     _record_owner(root, "r1", pid_started="1")  # the same pid, another process: the owner's pid was reused
@@ -108,7 +124,8 @@ def test_a_dead_owner_is_taken_over_once(tmp_path):
     for t in threads:
         t.join()
     assert len(winners) == 1 and all("resumed by another process" in m or "still running" in m for m in losers)
-    assert winners[0].generation == 1 and current_owner(root, "r1", json.load(open(root.campaign_file("r1")))) == winners[0]
+    record = json.load(open(root.campaign_file("r1")))
+    assert winners[0].generation == 1 and current_owner(root, "r1", record) == winners[0]
     release(winners[0])
 
 
@@ -131,7 +148,7 @@ def test_an_owner_on_another_host_needs_takeover_and_the_old_owner_stops(tmp_pat
 def test_dry_run_checks_without_writing(tmp_path):
     root = StorageRoot.of(str(tmp_path))
     assert claim(root, "r1", CONFIG, IDENTITY, "new", dry_run=True) is None
-    assert not os.path.exists(root.run("r1"))
+    assert not os.path.exists(os.path.dirname(root.campaign_file("r1")))
 
 
 # -- stage records -----------------------------------------------------------------------------------
@@ -140,8 +157,8 @@ def test_dry_run_checks_without_writing(tmp_path):
 def test_stage_records(tmp_path):
     root = StorageRoot.of(str(tmp_path))
     assert read_stage(root, "r1", 1, "train", "k1") is None
-    write_stage(root, "r1", 1, "train", "k1", {"value": {"checkpoint": "/c", "stats": {"train/loss": 0.5}}})
-    assert read_stage(root, "r1", 1, "train", "k1") == {"value": {"checkpoint": "/c", "stats": {"train/loss": 0.5}}}
+    write_stage(root, "r1", 1, "train", "k1", {"checkpoint": "/c", "stats": {"train/loss": 0.5}})
+    assert read_stage(root, "r1", 1, "train", "k1") == {"checkpoint": "/c", "stats": {"train/loss": 0.5}}
     with pytest.raises(CampaignError, match="committed from other inputs"):
         read_stage(root, "r1", 1, "train", "k2")
     open(root.stage_record("r1", 1, "filter"), "w").write('{"stage": "fil')  # torn by a crash mid-write
@@ -151,32 +168,115 @@ def test_stage_records(tmp_path):
 def _ctx(tmp_path, **fields):
     from tasks.context import RoundContext
 
-    base = dict(storage=str(tmp_path), run_id="r1", round=1, experiment="e", parent_checkpoint="/p", parent_policy_version=0,
-                parent_model_version="m/1", base_model="b", config_hash="h", code_version="c", flow_run_id="f",
-                mlflow_run_id="m", seed=0)
+    base = dict(
+        storage=str(tmp_path),
+        run_id="r1",
+        round=1,
+        experiment="e",
+        parent_checkpoint="/p",
+        parent_policy_version=0,
+        parent_model_version="m/1",
+        base_model="b",
+        config_hash="h",
+        code_version="c",
+        flow_run_id="f",
+        mlflow_run_id="m",
+        seed=0,
+    )
     return RoundContext(**{**base, **fields})
 
 
+def _filter_like(
+    *,
+    ctx: RoundContext,
+    uri: str,
+    config: FilterConfig,
+    temperature: float,
+    stats: Annotated[dict, NotInput("a measurement")],
+) -> TrajectoryVersion:
+    _CALLS.append(uri)
+    return TrajectoryVersion(version="v", uri=uri, stats={"n": len(_CALLS)})
+
+
+_CALLS: list[str] = []
+
+
 def test_stages_run_once_per_inputs(tmp_path):
-    from flows.stages import Stages, inputs_key
-    from tasks.filter import FilterConfig
+    from flows.stages import Stages
 
-    calls = []
-
-    def task(ctx, uri, config, measured, stats):
-        calls.append(uri)
-        return {"uri": uri}
-
+    _CALLS.clear()
     ctx = _ctx(tmp_path)
-    assert Stages(ctx).run("filter", task, ctx, "/a", FilterConfig(), 1.5, {"x": 1}) == {"uri": "/a"}
-    # Another process: another flow run, code version and timings -- the same inputs, so no second run.
+    first = Stages(ctx).run(
+        "filter", _filter_like, ctx=ctx, uri="/a", config=FilterConfig(), temperature=1.0, stats={"x": 1}
+    )
+    assert first == TrajectoryVersion(version="v", uri="/a", stats={"n": 1})
+    # Another process: another flow run, code version and measurements -- the same inputs, so no second run,
+    # and the recorded result comes back typed.
     again = _ctx(tmp_path, flow_run_id="f2", code_version="c2", mlflow_run_id="m2")
     stages = Stages(again)
-    assert stages.run("filter", task, again, "/a", FilterConfig(), 9.9, {"x": 2}) == {"uri": "/a"}
-    assert calls == ["/a"] and stages.skipped == ["filter"]
+    assert (
+        stages.run("filter", _filter_like, ctx=again, uri="/a", config=FilterConfig(), temperature=1.0, stats={"x": 2})
+        == first
+    )
+    assert _CALLS == ["/a"] and stages.skipped == ["filter"]
     with pytest.raises(CampaignError, match="other inputs"):  # an upstream version changed under a record
-        Stages(ctx).run("filter", task, ctx, "/b", FilterConfig(), 1.5, {})
-    assert inputs_key("s", (_ctx(tmp_path, seed=1),), {}) != inputs_key("s", (ctx,), {})
+        Stages(ctx).run("filter", _filter_like, ctx=ctx, uri="/b", config=FilterConfig(), temperature=1.0, stats={})
+
+
+def test_inputs_keys_are_what_a_stage_declares(tmp_path):
+    from flows.stages import declared_inputs, inputs_key
+
+    ctx = _ctx(tmp_path)
+    args = dict(ctx=ctx, uri="/a", config=FilterConfig(), temperature=1.0, stats={})
+    key = inputs_key("filter", _filter_like, args)
+    assert declared_inputs(_filter_like)[0] == ["ctx", "uri", "config", "temperature"]  # stats: NotInput
+    assert inputs_key("filter", _filter_like, {**args, "temperature": 0.7}) != key  # a float is an input
+    assert inputs_key("filter", _filter_like, {**args, "stats": {"x": 9}}) == key  # a measurement is not
+    assert inputs_key("filter", _filter_like, {**args, "ctx": _ctx(tmp_path, seed=1)}) != key  # the round's identity is
+    assert (
+        inputs_key("filter", _filter_like, {**args, "ctx": _ctx(tmp_path, storage="/moved", code_version="c2")}) == key
+    )
+    assert inputs_key("filter", _filter_like, {**args, "config": FilterConfig(epsilon=1e-5)}) != key
+    with pytest.raises(TypeError):  # a missing input fails before anything runs
+        inputs_key("filter", _filter_like, {k: v for k, v in args.items() if k != "uri"})
+
+
+def test_every_round_stage_declares_a_typed_result():
+    """The train stage's key covers the rollout temperature (its logprobs are recomputed at it)."""
+    from flows import tasks
+    from flows.stages import declared_inputs, stage_function
+
+    stage_tasks = [
+        tasks.register_base_task,
+        tasks.rollout_task,
+        tasks.filter_task,
+        tasks.train_task,
+        tasks.publish_task,
+        tasks.evaluate_task,
+        tasks.record_round_task,
+    ]
+    for task in stage_tasks:
+        declared_inputs(stage_function(task))  # raises without a StageResult return type
+    assert "temperature" in declared_inputs(stage_function(tasks.train_task))[0]
+    assert "stats" not in declared_inputs(stage_function(tasks.record_round_task))[0]
+
+
+def test_a_campaign_recorded_by_older_code_is_refused(tmp_path):
+    root = StorageRoot.of(str(tmp_path))
+    release(claim(root, "r1", CONFIG, IDENTITY, "new"))
+    record = json.load(open(root.campaign_file("r1")))
+    del record["record_version"]  # as the code before versioned records wrote it
+    open(root.campaign_file("r1"), "w").write(json.dumps(record))
+    with pytest.raises(
+        CampaignError, match=r"another version of rlrounds.*start a new run id \(`rlrounds run --run-id"
+    ):
+        claim(root, "r1", CONFIG, IDENTITY, "resume", dry_run=True)
+    write_stage(root, "r1", 1, "train", "k1", {"checkpoint": "/c"})
+    body = json.load(open(root.stage_record("r1", 1, "train")))
+    body["record_version"] = 1
+    open(root.stage_record("r1", 1, "train"), "w").write(json.dumps(body))
+    with pytest.raises(CampaignError, match="round 1 stage 'train'.*start a new run id"):
+        read_stage(root, "r1", 1, "train", "k1")
 
 
 def test_crash_points_are_inert_unless_set(monkeypatch):
@@ -192,28 +292,67 @@ def test_crash_points_are_inert_unless_set(monkeypatch):
 
 
 def test_a_committed_round_is_found_and_not_filtered_twice(tmp_path):
-    from datetime import datetime, timezone
+    from datetime import datetime
 
-    from storage.trajectories import TrajectoryStoreError, committed_round_version, rows_to_table, table_bytes, write_version
+    from storage.trajectories import (
+        TrajectoryStoreError,
+        committed_round_version,
+        rows_to_table,
+        table_bytes,
+        write_version,
+    )
     from tasks.filter import FilterConfig, run_filter
 
     root = StorageRoot.of(str(tmp_path))
     assert committed_round_version(root, "r1", 1) is None
-    now = datetime.now(timezone.utc)
-    rows = [{"run_id": "r1", "round": 1, "prompt_id": "p", "group_id": "g", "sample_index": i, "task": "addition",
-             "prompt_text": "1+1=", "prompt_token_ids": [1], "reference": "2", "completion_text": str(i + 1),
-             "completion_token_ids": [4], "rollout_logprobs": [-1.0], "token_policy_versions": [0], "finish_reason": "stop",
-             "engine": None, "sampling": None, "verifier": None, "reward": float(i == 1), "outcome": "success" if i == 1 else "model_failure",
-             "verify_error": None, "advantage": None, "kept": None, "drop_reason": None, "enqueued_at": now, "started_at": now,
-             "finished_at": now, "verified_at": now, "gen_latency_s": 0.0, "verify_latency_s": 0.0} for i in range(2)]
+    now = datetime.now(UTC)
+    rows = [
+        {
+            "run_id": "r1",
+            "round": 1,
+            "prompt_id": "p",
+            "group_id": "g",
+            "sample_index": i,
+            "task": "addition",
+            "prompt_text": "1+1=",
+            "prompt_token_ids": [1],
+            "reference": "2",
+            "completion_text": str(i + 1),
+            "completion_token_ids": [4],
+            "rollout_logprobs": [-1.0],
+            "token_policy_versions": [0],
+            "finish_reason": "stop",
+            "engine": None,
+            "sampling": None,
+            "verifier": None,
+            "reward": float(i == 1),
+            "outcome": "success" if i == 1 else "model_failure",
+            "verify_error": None,
+            "advantage": None,
+            "kept": None,
+            "drop_reason": None,
+            "enqueued_at": now,
+            "started_at": now,
+            "finished_at": now,
+            "verified_at": now,
+            "gen_latency_s": 0.0,
+            "verify_latency_s": 0.0,
+        }
+        for i in range(2)
+    ]
     staging = root.rollout_staging_file("r1", 1)
     root.fs.makedirs(root.staging("r1", 1), exist_ok=True)
     open(staging, "wb").write(table_bytes(rows_to_table(rows)))
     ctx = _ctx(tmp_path)
-    first = run_filter(ctx, staging, FilterConfig(), 1, {"rollout/wall_s": 1.0})
-    assert committed_round_version(root, "r1", 1).version == first["version"] and not os.path.exists(staging)
-    again = run_filter(ctx, staging, FilterConfig(), 1, {"rollout/wall_s": 2.0})  # resumed: staging is gone
-    assert again["version"] == first["version"] and again["stats"] == first["stats"] and again["resumed"]
+    first = run_filter(
+        ctx=ctx, staging=staging, config=FilterConfig(), target_groups=1, rollout_stats={"rollout/wall_s": 1.0}
+    )
+    assert committed_round_version(root, "r1", 1).version == first.version and not os.path.exists(staging)
+    # resumed: staging is gone
+    again = run_filter(
+        ctx=ctx, staging=staging, config=FilterConfig(), target_groups=1, rollout_stats={"rollout/wall_s": 2.0}
+    )
+    assert again.version == first.version and again.stats == first.stats and again.resumed
     assert committed_round_version(root, "r1", 1).body["rollout_stats"] == {"rollout/wall_s": 1.0}
     write_version(root, lambda v: root.trajectory_version("r1", 1, v), rows_to_table(rows[:1]), {"kind": "rollout"})
     with pytest.raises(TrajectoryStoreError, match="has 2 committed trajectory versions"):
@@ -233,7 +372,15 @@ CRASH_CONFIG = {
 }
 # Each resumed process dies at the next point: every stage boundary of round 1, then one in round 2.
 KILL_POINTS = ["base:0", "rollout:1", "filter:1", "train:1", "publish:1", "evaluate:1", "record:1", "train:2"]
-TIMING_COLUMNS = {"enqueued_at", "started_at", "finished_at", "verified_at", "gen_latency_s", "verify_latency_s", "trajectory_version"}
+TIMING_COLUMNS = {
+    "enqueued_at",
+    "started_at",
+    "finished_at",
+    "verified_at",
+    "gen_latency_s",
+    "verify_latency_s",
+    "trajectory_version",
+}
 
 
 @pytest.fixture(scope="module")
@@ -242,8 +389,18 @@ def weak_base(tmp_path_factory):
     from models.base_policy import BaseRecipe, build_base_policy
 
     path = str(tmp_path_factory.mktemp("weak-base"))
-    recipe = BaseRecipe(hidden_size=48, num_layers=2, intermediate_size=96, num_heads=2, max_steps=400, check_every=10**6,
-                        stop_at_accuracy=1.0, batch_size=64, learning_rate=3e-3, **_one_thread())
+    recipe = BaseRecipe(
+        hidden_size=48,
+        num_layers=2,
+        intermediate_size=96,
+        num_heads=2,
+        max_steps=400,
+        check_every=10**6,
+        stop_at_accuracy=1.0,
+        batch_size=64,
+        learning_rate=3e-3,
+        **_one_thread(),
+    )
     build_base_policy(path, recipe)
     os.remove(os.path.join(path, "lineage.json"))  # a plain Hugging Face directory, like any user's base
     return path
@@ -266,14 +423,22 @@ class Campaign:
     def run(self, *args, crash_after=None, expect_crash=False):
         from prefect.settings import PREFECT_API_URL
 
-        env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-               "RLROUNDS_CODE_VERSION": "crash-test", "PYTHONUNBUFFERED": "1"}
+        env = {
+            **os.environ,
+            "PREFECT_API_URL": PREFECT_API_URL.value(),
+            "OMP_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1",
+            "RLROUNDS_CODE_VERSION": "crash-test",
+            "PYTHONUNBUFFERED": "1",
+        }
         env.pop("RLROUNDS_CRASH_AFTER", None)
         if crash_after:
             env["RLROUNDS_CRASH_AFTER"] = crash_after
         cmd = [os.path.join(os.path.dirname(sys.executable), "rlrounds"), "run", "--storage", self.storage, *args]
         start = time.perf_counter()
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
         try:
             out, _ = proc.communicate(timeout=400)
         finally:
@@ -296,7 +461,9 @@ def _registry(storage):
     uri = f"sqlite:///{storage}/mlflow.db"
     client = MlflowClient(tracking_uri=uri, registry_uri=uri)
     versions = sorted(client.search_model_versions("name = 'crash-policy'"), key=lambda v: int(v.version))
-    runs = client.search_runs([client.get_experiment_by_name("crash").experiment_id], "tags.`rlrounds.run_id` = 'crash'")
+    runs = client.search_runs(
+        [client.get_experiment_by_name("crash").experiment_id], "tags.`rlrounds.run_id` = 'crash'"
+    )
     champion = str(client.get_model_version_by_alias("crash-policy", "champion").version)
     return client, versions, runs, champion
 
@@ -317,7 +484,9 @@ def _tensors(path):
     import torch
     from safetensors.torch import load_file
 
-    return load_file(os.path.join(path, "model.safetensors")), torch.load(os.path.join(path, "optimizer.pt"), weights_only=True)
+    return load_file(os.path.join(path, "model.safetensors")), torch.load(
+        os.path.join(path, "optimizer.pt"), weights_only=True
+    )
 
 
 def _same_tree(a, b):
@@ -337,13 +506,17 @@ def test_killed_at_every_stage_boundary_resumes_to_the_uninterrupted_result(pref
     import yaml
 
     config_path = tmp_path / "campaign.yaml"
-    config_path.write_text(yaml.safe_dump({**CRASH_CONFIG, "round": {**CRASH_CONFIG["round"], "policy": {"base_model": weak_base}}}))
+    config_path.write_text(
+        yaml.safe_dump({**CRASH_CONFIG, "round": {**CRASH_CONFIG["round"], "policy": {"base_model": weak_base}}})
+    )
     reference = Campaign(str(tmp_path / "reference"))
     crashed = Campaign(str(tmp_path / "crashed"))
 
     _, reference_s = reference.run("--config", str(config_path), "--run-id", "crash")
     times = {}
-    _, times[KILL_POINTS[0]] = crashed.run("--config", str(config_path), "--run-id", "crash", crash_after=KILL_POINTS[0], expect_crash=True)
+    _, times[KILL_POINTS[0]] = crashed.run(
+        "--config", str(config_path), "--run-id", "crash", crash_after=KILL_POINTS[0], expect_crash=True
+    )
     for point in KILL_POINTS[1:]:
         _, times[point] = crashed.run("--resume", "crash", crash_after=point, expect_crash=True)
     # Resume overhead: a process resumed after the last kill, dying again at the same point, only
@@ -360,7 +533,9 @@ def test_killed_at_every_stage_boundary_resumes_to_the_uninterrupted_result(pref
     ref_traj, traj = _trajectories(reference.storage), _trajectories(crashed.storage)
     for ref, got in zip(ref_versions, versions):
         volatile = {"prefect_flow_run_id", "trajectory_version"}
-        assert {k: v for k, v in got.tags.items() if k not in volatile} == {k: v for k, v in ref.tags.items() if k not in volatile}
+        assert {k: v for k, v in got.tags.items() if k not in volatile} == {
+            k: v for k, v in ref.tags.items() if k not in volatile
+        }
         round_index = int(got.tags["round"])
         if round_index:  # its trajectory version: the one its round committed (ids differ only by timings)
             assert got.tags["trajectory_version"] == traj[round_index][0]
@@ -380,9 +555,11 @@ def test_killed_at_every_stage_boundary_resumes_to_the_uninterrupted_result(pref
         ref_ckpt = StorageRoot.of(reference.storage).checkpoint("crash", k)
         ckpt = StorageRoot.of(crashed.storage).checkpoint("crash", k)
         assert _same_tree(_tensors(ckpt), _tensors(ref_ckpt)), f"round {k} checkpoint differs"
-    print(f"\nuninterrupted campaign {reference_s:.1f} s; killed at {', '.join(KILL_POINTS)}: "
-          + ", ".join(f"{p} {s:.1f} s" for p, s in times.items())
-          + f"; resume overhead (reaching train:2 again) {overhead_s:.1f} s; final resume {finish_s:.1f} s")
+    print(
+        f"\nuninterrupted campaign {reference_s:.1f} s; killed at {', '.join(KILL_POINTS)}: "
+        + ", ".join(f"{p} {s:.1f} s" for p, s in times.items())
+        + f"; resume overhead (reaching train:2 again) {overhead_s:.1f} s; final resume {finish_s:.1f} s"
+    )
 
 
 @pytest.mark.slow
@@ -400,8 +577,14 @@ def test_rerunning_the_flow_with_the_same_run_id_continues_it(prefect_harness, w
         if (stage, round_index) == ("train", 1):
             raise Stopped("worker lost")  # in-process stand-in for the SIGKILL above
 
-    config = CampaignConfig.model_validate({**CRASH_CONFIG, "rounds": 1, "run_id": "rerun",
-                                            "round": {**CRASH_CONFIG["round"], "policy": {"base_model": weak_base}}})
+    config = CampaignConfig.model_validate(
+        {
+            **CRASH_CONFIG,
+            "rounds": 1,
+            "run_id": "rerun",
+            "round": {**CRASH_CONFIG["round"], "policy": {"base_model": weak_base}},
+        }
+    )
     storage = str(tmp_path / "data")
     from tasks.engines import drop_serving_engines
 
@@ -418,4 +601,4 @@ def test_rerunning_the_flow_with_the_same_run_id_continues_it(prefect_harness, w
     assert [r["round"] for r in result["rounds"]] == [0, 1]
     assert result["rounds"][1]["trajectory_version"] == committed_round_version(root, "rerun", 1).version
     assert result["final_model_version"] == "crash-policy/2"  # base + round 1, nothing registered twice
-    assert json.load(open(root.stage_record("rerun", 1, "train")))["output"]["value"]["resumed"] is True
+    assert json.load(open(root.stage_record("rerun", 1, "train")))["output"]["resumed"] is True

@@ -14,7 +14,14 @@ from test_store import make_row
 
 from flows.cli import main
 from storage.paths import StorageRoot, child
-from storage.trajectories import CorruptPartError, find_version, list_manifests, read_table, rows_to_table, write_version
+from storage.trajectories import (
+    CorruptPartError,
+    find_version,
+    list_manifests,
+    read_table,
+    rows_to_table,
+    write_version,
+)
 
 pytestmark = pytest.mark.s3
 
@@ -76,7 +83,10 @@ class _FlakyProxy(http.server.BaseHTTPRequestHandler):
             type(self).failed += fail
         body = self._body()
         if fail:
-            error = b"<?xml version='1.0'?><Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
+            error = (
+                b"<?xml version='1.0'?><Error><Code>SlowDown</Code>"
+                b"<Message>Please reduce your request rate.</Message></Error>"
+            )
             self.send_response(503)
             self.send_header("Content-Type", "application/xml")
             self.send_header("Content-Length", str(0 if self.command == "HEAD" else len(error)))
@@ -84,7 +94,11 @@ class _FlakyProxy(http.server.BaseHTTPRequestHandler):
             if self.command != "HEAD":
                 self.wfile.write(error)
             return
-        headers = {k: v for k, v in self.headers.items() if k.lower() not in ("connection", "transfer-encoding", "content-length", "expect")}
+        headers = {
+            k: v
+            for k, v in self.headers.items()
+            if k.lower() not in ("connection", "transfer-encoding", "content-length", "expect")
+        }
         headers["Content-Length"] = str(len(body))
         conn = http.client.HTTPConnection(*self.upstream, timeout=30)
         conn.request(self.command, self.path, body=body, headers=headers)
@@ -145,8 +159,11 @@ def test_campaign_refilter_replay_and_lineage_on_s3(s3_endpoint, prefect_harness
     from flows.replay import ReplayRequest, rl_replay
     from storage import checkpoints
 
-    config = {"rounds": 2, "run_id": "s3-tiny",
-              "round": {"train": {"groups_per_step": 2, "steps_per_round": 2}, "publish": {"model_name": "s3-policy"}}}
+    config = {
+        "rounds": 2,
+        "run_id": "s3-tiny",
+        "round": {"train": {"groups_per_step": 2, "steps_per_round": 2}, "publish": {"model_name": "s3-policy"}},
+    }
     root = _root("campaign")
     seed_builtin_base(root.uri)  # the base-policy cache, on S3
     result = rl_campaign(CampaignConfig.model_validate(config), storage=root.uri)
@@ -161,15 +178,34 @@ def test_campaign_refilter_replay_and_lineage_on_s3(s3_endpoint, prefect_harness
 
     # refilter: a derived version under <root>/derived/
     capsys.readouterr()  # the campaign's own progress lines
-    assert main(["refilter", rounds[2]["trajectory_version"], "--where", "outcome <> 'infra_failure'", "--regroup",
-                 "--storage", root.uri]) == 0
+    assert (
+        main(
+            [
+                "refilter",
+                rounds[2]["trajectory_version"],
+                "--where",
+                "outcome <> 'infra_failure'",
+                "--regroup",
+                "--storage",
+                root.uri,
+            ]
+        )
+        == 0
+    )
     derived = capsys.readouterr().out.split()[2]
     assert find_version(root, derived).directory == root.derived_version(derived)
 
     # replay round 2 from round 1's model version: the same weights, byte for byte
     round_config = CampaignConfig.model_validate(config).round
-    replay = rl_replay(ReplayRequest(trajectories=rounds[2]["trajectory_version"], from_model=rounds[1]["model_version"],
-                                     config=round_config, evaluate=False), storage=root.uri)
+    replay = rl_replay(
+        ReplayRequest(
+            trajectories=rounds[2]["trajectory_version"],
+            from_model=rounds[1]["model_version"],
+            config=round_config,
+            evaluate=False,
+        ),
+        storage=root.uri,
+    )
     assert replay["checkpoint"] == root.replay_checkpoint(replay["replay_id"])
     original = root.fs.cat_file(child(root.checkpoint("s3-tiny", 2), "model.safetensors"))
     replayed = root.fs.cat_file(child(replay["checkpoint"], "model.safetensors"))
@@ -183,5 +219,57 @@ def test_campaign_refilter_replay_and_lineage_on_s3(s3_endpoint, prefect_harness
     assert [s["round"] for s in steps] == ["2", "1", "0"]
     assert all(s["checkpoint"].startswith(root.uri) for s in steps)
     assert [s["derivation"][0]["uri"] for s in steps[:2]] == [
-        root.trajectory_version("s3-tiny", k, rounds[k]["trajectory_version"]) for k in (2, 1)]
+        root.trajectory_version("s3-tiny", k, rounds[k]["trajectory_version"]) for k in (2, 1)
+    ]
     assert os.environ["MLFLOW_S3_ENDPOINT_URL"] == s3_endpoint
+
+
+RACE_CLAIMS = """
+import sys
+from storage.campaigns import CampaignError, claim
+from storage.paths import StorageRoot
+
+root = StorageRoot.of(sys.argv[1])
+for k in range(int(sys.argv[2])):
+    try:
+        claim(root, f"race-{k}", {"writer": sys.argv[3]}, {"seed": 0}, "new")
+        print(k, flush=True)
+    except CampaignError:
+        pass
+"""
+
+
+def test_owner_lock_is_exclusive_between_racing_writers_on_s3(s3_endpoint, tmp_path):
+    """Two processes claim the same 12 run ids at once on one S3 root: every id gets exactly one owner,
+    and the stored record is the winner's (S3's conditional put decides, not a check then a write)."""
+    import subprocess
+    import sys
+
+    root = _root("race")
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(__file__)), os.environ.get("PYTHONPATH", "")]),
+    }
+    writers = [
+        subprocess.Popen(
+            [sys.executable, "-c", RACE_CLAIMS, root.uri, "12", name],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name in ("a", "b")
+    ]
+    won = {}
+    for name, writer in zip(("a", "b"), writers):
+        out, err = writer.communicate(timeout=300)
+        assert writer.returncode == 0, err[-2000:]
+        won[name] = {int(k) for k in out.split()}
+    assert won["a"] | won["b"] == set(range(12))  # every run id has an owner
+    assert not won["a"] & won["b"]  # and never two
+    from storage.campaigns import read_campaign
+
+    fresh = StorageRoot.of(root.uri)
+    for name, ids in won.items():
+        for k in ids:
+            assert read_campaign(fresh, f"race-{k}")["config"] == {"writer": name}

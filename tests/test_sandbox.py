@@ -12,17 +12,20 @@ import secrets
 import socket
 import sys
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 from pydantic import ValidationError
 
-from tasks import sandbox
-from tasks.sandbox import SANDBOX_UIDS, SandboxLimits, SandboxRun, classify, extract_code, verify_python
-from tasks.verify import VERIFIER_VERSIONS, Outcome, VerifierPool, get_verifier, run_verifier
+from tasks.verifiers import sandbox
+from tasks.verifiers.config import VerifyConfig
+from tasks.verifiers.outcome import Outcome
+from tasks.verifiers.pool import VerifierPool, run_verifier
+from tasks.verifiers.registry import get_verifier, verifier_version
+from tasks.verifiers.sandbox import SANDBOX_UIDS, SandboxLimits, SandboxRun, classify, extract_code, verify_python
 
 S, F, I = Outcome.SUCCESS, Outcome.MODEL_FAILURE, Outcome.INFRA_FAILURE
 LIMITS = SandboxLimits(wall_timeout_s=2.0, cpu_time_s=1, max_output_bytes=64 * 1024)
@@ -100,8 +103,11 @@ def test_limits_say_what_to_set() -> None:
         SandboxLimits(wall_timeout_s=0)
 
 
-def test_registered_version_matches() -> None:
-    assert VERIFIER_VERSIONS["python"] == sandbox.VERSION
+def test_registered_version_matches_and_limits_come_from_the_config() -> None:
+    assert verifier_version("python") == sandbox.VERSION
+    verifier = get_verifier("python", VerifyConfig(sandbox={"memory_mib": 128, "wall_timeout_s": 2}))
+    # verify.sandbox reaches the sandbox
+    assert verifier.keywords["limits"] == SandboxLimits(memory_mib=128, wall_timeout_s=2)
 
 
 @needs_root
@@ -170,8 +176,15 @@ def host() -> Iterator[Host]:
     listener.setblocking(False)
     secret_name = "RLROUNDS_SANDBOX_SECRET"
     os.environ[secret_name] = f"secret-{token}"
-    found = Host(secret_name, f"secret-{token}", f"/tmp/rlrounds-pwned-{token}",
-                 str(PROJECT / f"sandbox-pwned-{token}"), str(canary), listener.getsockname()[1], os.getpid())
+    found = Host(
+        secret_name,
+        f"secret-{token}",
+        f"/tmp/rlrounds-pwned-{token}",
+        str(PROJECT / f"sandbox-pwned-{token}"),
+        str(canary),
+        listener.getsockname()[1],
+        os.getpid(),
+    )
     try:
         yield found
         with pytest.raises(BlockingIOError):
@@ -198,41 +211,68 @@ HOSTILE = [
     ("write outside its dir", "open({outside_file!r}, 'w').write('pwned')", "Read-only file system"),
     ("write into the project", "open({project_file!r}, 'w').write('pwned')", "Read-only file system"),
     ("delete a canary", "import os\nos.unlink({canary!r})", "Read-only file system"),
-    ("read the host environment",  # prints all it can see; the secret must appear in no output
-     "import os, sys\nprint(dict(os.environ))\nprint(open('/proc/self/environ').read(), file=sys.stderr)\n"
-     "print(os.environ[{secret_name!r}])", "KeyError"),
-    ("read the tests' process", "open('/proc/1/mem', 'rb')", "Permission denied"),  # pid 1 runs the tests: not dumpable
+    (
+        "read the host environment",  # prints all it can see; the secret must appear in no output
+        "import os, sys\nprint(dict(os.environ))\nprint(open('/proc/self/environ').read(), file=sys.stderr)\n"
+        "print(os.environ[{secret_name!r}])",
+        "KeyError",
+    ),
+    ("read the tests' process", "open('/proc/1/mem', 'rb')", "Permission denied"),  # pid 1 runs the tests
     ("list the tests' descriptors", "import os\nos.listdir('/proc/1/fd')", "Permission denied"),  # nor its pipes
-    ("connect to loopback", "import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1).sendall(b'x')",
-     "Permission denied"),  # refused by the socket filter; there is no interface up either
+    (
+        "connect to loopback",
+        "import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1).sendall(b'x')",
+        "Permission denied",
+    ),  # refused by the socket filter; there is no interface up either
     ("open a vsock", "import socket\nsocket.socket(socket.AF_VSOCK, socket.SOCK_STREAM)", "Permission denied"),
     ("become root", "import os\nos.setuid(0)", "Operation not permitted"),  # privileges are gone for good
     ("kill its parent", "import os\nos.kill(os.getppid(), 9)", "NameError"),  # no parent visible: it lives on, fails
     ("kill everything", "import os\nos.kill(-1, 9)", "No such process"),  # nothing else in its pid namespace
     ("kill the verifier by pid", "import os\nos.kill({verifier_pid}, 9)", "No such process"),  # host pids unseen
-    ("daemon outlives the run",  # double fork and setsid: still inside the pid namespace that dies
-     "import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        time.sleep(600)\n"
-     "    os._exit(0)", "NameError"),
+    (
+        "daemon outlives the run",  # double fork and setsid: still inside the pid namespace that dies
+        "import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        time.sleep(600)\n"
+        "    os._exit(0)",
+        "NameError",
+    ),
     ("exit(0) before the tests", "import sys\nsys.exit(0)", "before the tests finished"),  # reward hack
     ("os._exit(0) before the tests", "import os\nos._exit(0)", "before the tests finished"),  # harder exit
-    ("forge the result pipe", "import os, sys\nos.write(int(sys.argv[1]), b'S' * 64)\nos._exit(0)",
-     "Bad file descriptor"),  # its process does not hold the result pipe, and the nonce is unknown to it
-    ("__eq__ that always answers True",  # the tests' `add(2, 3) == 5` would hold for any answer
-     "class Anything:\n    def __eq__(self, other):\n        return True\n    __hash__ = object.__hash__\n"
-     "def add(a, b):\n    return Anything()", "not a plain value"),
-    ("int subclass that equals everything",  # looks like a number, compares like a liar
-     "class Int(int):\n    def __eq__(self, other):\n        return True\n    __hash__ = int.__hash__\n"
-     "def add(a, b):\n    return Int(0)", "not a plain value"),
-    ("reach the pass signal through the caller's frame",  # the runner's locals held the nonce and the pipe
-     "import os, sys\nf = sys._getframe(1)\nos.write(f.f_locals['result'], f.f_locals['task']['nonce'].encode())\n"
-     "os._exit(0)", "KeyError"),
-    ("search memory for the pass signal",  # any dict holding a nonce, written to every descriptor
-     "import gc, os\nfor o in gc.get_objects():\n    if isinstance(o, dict) and isinstance(o.get('nonce'), str):\n"
-     "        for fd in range(3, 64):\n            try:\n                os.write(fd, o['nonce'].encode())\n"
-     "            except OSError:\n                pass\nos._exit(0)", "before the tests finished"),
-    ("patch the tests' builtins",  # the tests run in another interpreter: nothing here reaches them
-     "import builtins\nbuiltins.AssertionError = type('Quiet', (BaseException,), dict())\n"
-     "def add(a, b):\n    return 0", "AssertionError"),
+    (
+        "forge the result pipe",
+        "import os, sys\nos.write(int(sys.argv[1]), b'S' * 64)\nos._exit(0)",
+        "Bad file descriptor",
+    ),  # its process does not hold the result pipe, and the nonce is unknown to it
+    (
+        "__eq__ that always answers True",  # the tests' `add(2, 3) == 5` would hold for any answer
+        "class Anything:\n    def __eq__(self, other):\n        return True\n    __hash__ = object.__hash__\n"
+        "def add(a, b):\n    return Anything()",
+        "not a plain value",
+    ),
+    (
+        "int subclass that equals everything",  # looks like a number, compares like a liar
+        "class Int(int):\n    def __eq__(self, other):\n        return True\n    __hash__ = int.__hash__\n"
+        "def add(a, b):\n    return Int(0)",
+        "not a plain value",
+    ),
+    (
+        "reach the pass signal through the caller's frame",  # the runner's locals held the nonce and the pipe
+        "import os, sys\nf = sys._getframe(1)\nos.write(f.f_locals['result'], f.f_locals['task']['nonce'].encode())\n"
+        "os._exit(0)",
+        "KeyError",
+    ),
+    (
+        "search memory for the pass signal",  # any dict holding a nonce, written to every descriptor
+        "import gc, os\nfor o in gc.get_objects():\n    if isinstance(o, dict) and isinstance(o.get('nonce'), str):\n"
+        "        for fd in range(3, 64):\n            try:\n                os.write(fd, o['nonce'].encode())\n"
+        "            except OSError:\n                pass\nos._exit(0)",
+        "before the tests finished",
+    ),
+    (
+        "patch the tests' builtins",  # the tests run in another interpreter: nothing here reaches them
+        "import builtins\nbuiltins.AssertionError = type('Quiet', (BaseException,), dict())\n"
+        "def add(a, b):\n    return 0",
+        "AssertionError",
+    ),
 ]
 
 
@@ -262,11 +302,17 @@ HONEST = [
     # (completion, expected outcome)
     ("def add(a, b):\n    return a + b", S),  # correct
     ("I will add:\n```python\ndef add(a, b):\n    return a + b\n```", S),  # correct, in a fence
-    ("import functools, operator\nadd = functools.partial(functools.reduce, operator.add)\n"
-     "add = lambda a, b, _f=add: _f([a, b])", S),  # stdlib imports work under -I -S
+    (
+        "import functools, operator\nadd = functools.partial(functools.reduce, operator.add)\n"
+        "add = lambda a, b, _f=add: _f([a, b])",
+        S,
+    ),  # stdlib imports work under -I -S
     ("def add(a, b):\n    open('scratch', 'w').write(str(a + b))\n    return int(open('scratch').read())", S),
-    ("import threading\ndef add(a, b):\n    out = []\n    t = threading.Thread(target=lambda: out.append(a + b))\n"
-     "    t.start(); t.join()\n    return out[0]", S),  # a thread is within the process limit
+    (
+        "import threading\ndef add(a, b):\n    out = []\n    t = threading.Thread(target=lambda: out.append(a + b))\n"
+        "    t.start(); t.join()\n    return out[0]",
+        S,
+    ),  # a thread is within the process limit
     ("import os, time\nif os.fork() == 0:\n    time.sleep(600)\ndef add(a, b):\n    return a + b", S),  # a
     # correct answer that leaves a child behind: the child dies with the pid namespace, not later
     ("def add(a, b):\n    return a - b", F),  # wrong answer: AssertionError

@@ -2,7 +2,7 @@
 
 import json
 import os
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 
@@ -20,17 +20,37 @@ from storage.trajectories import (
 
 
 def make_row(group: int, index: int, reward: float) -> dict:
-    now = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    now = datetime(2026, 1, 1, tzinfo=UTC)
     return {
-        "run_id": "run", "round": 1, "prompt_id": f"p{group}", "group_id": f"g{group}", "sample_index": index,
-        "task": "addition", "prompt_text": "1+2=", "prompt_token_ids": [1, 5, 14, 6, 15], "reference": "3",
-        "completion_text": "3", "completion_token_ids": [7, 2], "rollout_logprobs": [-0.25, -0.125],
-        "token_policy_versions": [0, 0], "finish_reason": "stop",
+        "run_id": "run",
+        "round": 1,
+        "prompt_id": f"p{group}",
+        "group_id": f"g{group}",
+        "sample_index": index,
+        "task": "addition",
+        "prompt_text": "1+2=",
+        "prompt_token_ids": [1, 5, 14, 6, 15],
+        "reference": "3",
+        "completion_text": "3",
+        "completion_token_ids": [7, 2],
+        "rollout_logprobs": [-0.25, -0.125],
+        "token_policy_versions": [0, 0],
+        "finish_reason": "stop",
         "engine": {"name": "embedded", "version": "t", "dtype": "float32"},
         "sampling": {"temperature": 1.0, "top_p": 1.0, "seed": 1, "max_tokens": 8},
-        "verifier": {"name": "addition", "version": "1"}, "reward": reward, "outcome": "success" if reward else "model_failure",
-        "verify_error": None, "advantage": 0.5, "kept": True, "drop_reason": None,
-        "enqueued_at": now, "started_at": now, "finished_at": now, "verified_at": now, "gen_latency_s": 0.1, "verify_latency_s": 0.001,
+        "verifier": {"name": "addition", "version": "1"},
+        "reward": reward,
+        "outcome": "success" if reward else "model_failure",
+        "verify_error": None,
+        "advantage": 0.5,
+        "kept": True,
+        "drop_reason": None,
+        "enqueued_at": now,
+        "started_at": now,
+        "finished_at": now,
+        "verified_at": now,
+        "gen_latency_s": 0.1,
+        "verify_latency_s": 0.001,
     }
 
 

@@ -6,7 +6,7 @@ import hashlib
 
 import pytest
 
-from tasks.verify import Outcome, Verdict
+from tasks.verifiers.outcome import Outcome, Verdict
 
 
 def coin(completion, reference):
@@ -17,10 +17,11 @@ def coin(completion, reference):
 
 @pytest.fixture
 def coin_verifier(monkeypatch):
-    from tasks import verify
     from tasks.engines import drop_serving_engines
+    from tasks.verifiers import registry
+    from tasks.verifiers.registry import VerifierSpec
 
-    monkeypatch.setitem(verify.VERIFIERS, "coin", coin)
+    monkeypatch.setitem(registry.VERIFIERS, "coin", VerifierSpec("test", lambda _config: coin))
     drop_serving_engines()  # the rounds below start serving engines on tiny policies of their own shape
     yield "coin"
     drop_serving_engines()
@@ -29,33 +30,67 @@ def coin_verifier(monkeypatch):
 def _context(storage, parent, run_id="t", round_index=1):
     from tasks.context import RoundContext
 
-    return RoundContext(storage=storage, run_id=run_id, round=round_index, experiment="t", parent_checkpoint=parent,
-                        parent_policy_version=round_index - 1, parent_model_version="none", base_model="tiny",
-                        config_hash="h", code_version="test", flow_run_id="none", mlflow_run_id="none", seed=5)
+    return RoundContext(
+        storage=storage,
+        run_id=run_id,
+        round=round_index,
+        experiment="t",
+        parent_checkpoint=parent,
+        parent_policy_version=round_index - 1,
+        parent_model_version="none",
+        base_model="tiny",
+        config_hash="h",
+        code_version="test",
+        flow_run_id="none",
+        mlflow_run_id="none",
+        seed=5,
+    )
 
 
 def _round_config(train: dict, top_p: float = 1.0, groups: int = 4):
     from flows.config import RoundConfig
 
-    return RoundConfig.model_validate({
-        "verify": {"verifier": "coin"},
-        "rollout": {"samples_per_prompt": 4, "max_tokens": 4, "top_p": top_p},
-        "train": {"groups_per_step": groups, "steps_per_round": 1, **train},
-    })
+    return RoundConfig.model_validate(
+        {
+            "verify": {"verifier": "coin"},
+            "rollout": {"samples_per_prompt": 4, "max_tokens": 4, "top_p": top_p},
+            "train": {"groups_per_step": groups, "steps_per_round": 1, **train},
+        }
+    )
 
 
 def _trajectories(ctx, config) -> str:
     from tasks.filter import run_filter
     from tasks.rollout import run_rollout
 
-    rollout = run_rollout(ctx, config.prompts, config.rollout, config.verify, config.filter, config.target_groups)
-    return run_filter(ctx, rollout["staging"], config.filter, config.target_groups, rollout["stats"])["uri"]
+    rollout = run_rollout(
+        ctx=ctx,
+        prompts=config.prompts,
+        rollout=config.rollout,
+        verify=config.verify_resolved,
+        filtering=config.filter,
+        target_groups=config.target_groups,
+    )
+    return run_filter(
+        ctx=ctx,
+        staging=rollout.staging,
+        config=config.filter,
+        target_groups=config.target_groups,
+        rollout_stats=rollout.stats,
+    ).uri
 
 
 def _train(ctx, uri, config, target):
     from tasks.train import run_train
 
-    return run_train(ctx, uri, config.train, config.rollout.temperature, config.rollout.dtype, target_checkpoint=target)
+    return run_train(
+        ctx=ctx,
+        trajectory_uri=uri,
+        config=config.train,
+        temperature=config.rollout.temperature,
+        rollout_dtype=config.rollout.dtype,
+        target_checkpoint=target,
+    )
 
 
 def _perturbed_round(storage, base_dir) -> str:
@@ -76,8 +111,9 @@ def _perturbed_round(storage, base_dir) -> str:
     root = StorageRoot.of(storage)
     with tempfile.TemporaryDirectory() as tmp:
         save_policy(model, tokenizer, tmp)
-        return checkpoints.commit_checkpoint(root, tmp, root.checkpoint("t", 1),
-                                             {"kind": "round", "round": 1, "parent_checkpoint": base_dir})
+        return checkpoints.commit_checkpoint(
+            root, tmp, root.checkpoint("t", 1), {"kind": "round", "round": 1, "parent_checkpoint": base_dir}
+        )
 
 
 def _weights(checkpoint):
@@ -104,11 +140,11 @@ def test_kl_reference_is_the_base_by_default_and_the_parent_by_name(tmp_path, ti
     # One optimizer step: the KL figure is measured before it, where the policy equals the parent.
     to_base = _train(ctx, uri, base_cfg, str(tmp_path / "to-base"))
     to_parent = _train(ctx, uri, _round_config({"kl_coef": 1.0, "kl_reference": "parent"}), str(tmp_path / "to-parent"))
-    assert to_parent["stats"]["train/kl"] == 0.0  # the reference is the policy itself
-    assert to_base["stats"]["train/kl"] > 1e-4  # the base differs from the parent
+    assert to_parent.stats["train/kl"] == 0.0  # the reference is the policy itself
+    assert to_base.stats["train/kl"] > 1e-4  # the base differs from the parent
     # The new checkpoint records its base, so the next round finds it without walking the chain.
-    assert checkpoints.read_lineage(root, to_base["checkpoint"])["base_checkpoint"] == tiny_policy_dir
-    assert checkpoints.base_checkpoint(root, to_base["checkpoint"]) == tiny_policy_dir
+    assert checkpoints.read_lineage(root, to_base.checkpoint)["base_checkpoint"] == tiny_policy_dir
+    assert checkpoints.base_checkpoint(root, to_base.checkpoint) == tiny_policy_dir
 
 
 # -- 2. dropout ---------------------------------------------------------------------------------------
@@ -125,9 +161,16 @@ def dropout_policy_dir(tmp_path_factory) -> str:
 
     torch.manual_seed(0)
     tokenizer = build_char_tokenizer()
-    config = GPT2Config(vocab_size=len(tokenizer), n_positions=64, n_embd=32, n_layer=2, n_head=2,
-                        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                        pad_token_id=tokenizer.pad_token_id)
+    config = GPT2Config(
+        vocab_size=len(tokenizer),
+        n_positions=64,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     assert config.resid_pdrop == config.attn_pdrop == config.embd_pdrop == 0.1
     path = str(tmp_path_factory.mktemp("dropout-policy"))
     save_policy(GPT2LMHeadModel(config), tokenizer, path)
@@ -141,26 +184,28 @@ def test_a_policy_with_dropout_trains_on_policy_and_replays_bitwise(tmp_path, dr
     uri = _trajectories(ctx, config)
     first = _train(ctx, uri, config, str(tmp_path / "a"))
     # Step 0 sees the sampling weights: engine and trainer score the same distribution.
-    assert first["stats"]["train/ratio_mean"] == pytest.approx(1.0, abs=1e-5)
-    assert first["stats"]["train/mismatch_max_abs"] < 1e-4
+    assert first.stats["train/ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert first.stats["train/mismatch_max_abs"] < 1e-4
     two_steps = _round_config({"steps_per_round": 2, "groups_per_step": 2, "recompute_proximal": "never"})
-    a = _weights(_train(ctx, uri, two_steps, str(tmp_path / "b"))["checkpoint"])
-    b = _weights(_train(ctx, uri, two_steps, str(tmp_path / "c"))["checkpoint"])
+    a = _weights(_train(ctx, uri, two_steps, str(tmp_path / "b")).checkpoint)
+    b = _weights(_train(ctx, uri, two_steps, str(tmp_path / "c")).checkpoint)
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
 
 
 # -- 3. nucleus sampling ------------------------------------------------------------------------------
 
 
-def test_with_top_p_the_trainer_scores_the_distribution_the_engine_sampled_from(tmp_path, tiny_policy_dir, coin_verifier):
+def test_with_top_p_the_trainer_scores_the_distribution_the_engine_sampled_from(
+    tmp_path, tiny_policy_dir, coin_verifier
+):
     storage = str(tmp_path / "data")
     ctx = _context(storage, tiny_policy_dir)
     config = _round_config({"recompute_proximal": "never"}, top_p=0.9)
     uri = _trajectories(ctx, config)
     trained = _train(ctx, uri, config, str(tmp_path / "a"))
     # Under the full softmax every sampled token would look log(nucleus mass) less likely than it was.
-    assert trained["stats"]["train/ratio_mean"] == pytest.approx(1.0, abs=1e-5)
-    assert trained["stats"]["train/mismatch_max_abs"] < 1e-4
+    assert trained.stats["train/ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert trained.stats["train/mismatch_max_abs"] < 1e-4
 
 
 @pytest.mark.parametrize(
@@ -221,8 +266,10 @@ def test_mismatch_is_measured_on_every_minibatch(tiny_policy_dir, recompute):
 
     first, second = exact([0, 1]), exact([2, 3])
     shifted = [[v - 0.5 for v in row] for row in second]  # the engine disagrees by 0.5 nats on minibatch 2 only
-    batches = [TrainBatch([prompts[0], prompts[1]], completions[:2], first, [1.0, -1.0], [[0] * 3] * 2, [1.0, 1.0], 3),
-               TrainBatch([prompts[2], prompts[3]], completions[2:], shifted, [1.0, -1.0], [[0] * 3] * 2, [1.0, 1.0], 3)]
+    batches = [
+        TrainBatch([prompts[0], prompts[1]], completions[:2], first, [1.0, -1.0], [[0] * 3] * 2, [1.0, 1.0], 3),
+        TrainBatch([prompts[2], prompts[3]], completions[2:], shifted, [1.0, -1.0], [[0] * 3] * 2, [1.0, 1.0], 3),
+    ]
     _, stats = train_policy(model, tokenizer.pad_token_id, batches, TrainConfig(), 1.0, None, 0, recompute)
     # 6 of 12 tokens are off by 0.5; a first-minibatch-only figure would read 0. Without the proximal
     # pass minibatch 2 is scored one optimizer step past the sampling weights: a little drift adds on.

@@ -4,7 +4,9 @@ import math
 
 import pytest
 
-from tasks.verify import Outcome, Verdict, VerifierInfraError, VerifierPool, run_verifier, verify_addition
+from tasks.verifiers.addition import verify_addition
+from tasks.verifiers.outcome import Outcome, Verdict, VerifierInfraError
+from tasks.verifiers.pool import VerifierPool, run_verifier
 
 
 @pytest.mark.parametrize(

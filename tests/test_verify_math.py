@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
-from tasks import verify_math
-from tasks.verify import VERIFIER_VERSIONS, Outcome, VerifierPool, get_verifier, run_verifier
-from tasks.verify_math import MathVerifier
+from tasks.verifiers import math as verify_math
+from tasks.verifiers.config import VerifyConfig
+from tasks.verifiers.math import MathVerifier
+from tasks.verifiers.outcome import Outcome
+from tasks.verifiers.pool import VerifierPool, run_verifier
+from tasks.verifiers.registry import get_verifier, verifier_version
 
 GSM_MINI = Path(__file__).resolve().parents[1] / "tasks" / "prompts" / "gsm_mini.jsonl"
 
@@ -100,13 +103,16 @@ def test_worker_killed_from_outside_is_replaced(math_verifier: MathVerifier) -> 
     assert run_verifier(math_verifier, "#### 2", "2").outcome is S
 
 
-def test_registered_as_math() -> None:
-    assert VERIFIER_VERSIONS["math"] == verify_math.VERSION
+def test_registered_as_math_with_the_configured_deadline() -> None:
+    assert verifier_version("math") == verify_math.VERSION
+    verifier = get_verifier("math", VerifyConfig(math_timeout_s=2.5))
     try:
-        assert run_verifier(get_verifier("math"), "#### 3", "3").outcome is S
+        assert verifier.timeout_s == 2.5  # verify.math_timeout_s reaches the verifier
+        # one shared pool of workers per deadline
+        assert get_verifier("math", VerifyConfig(math_timeout_s=2.5)) is verifier
+        assert run_verifier(verifier, "#### 3", "3").outcome is S
     finally:
-        if verify_math._default is not None:
-            verify_math._default.close()  # its worker would otherwise live until pytest exits
+        verifier.close()  # its worker would otherwise live until pytest exits
 
 
 def test_timeout_must_be_positive() -> None:

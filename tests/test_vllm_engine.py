@@ -80,7 +80,9 @@ def test_engine_identity(served):
 def test_groups_give_n_samples_with_the_embedded_engines_fields(served):
     engine, tok = served
     samples = list(engine.generate(_requests(tok, 4, SamplingParams(temperature=1.0, max_tokens=3, seed=2))))
-    assert sorted((s.group_id, s.sample_index) for s in samples) == [(f"g{i}", j) for i in range(len(PROMPTS)) for j in range(4)]
+    assert sorted((s.group_id, s.sample_index) for s in samples) == [
+        (f"g{i}", j) for i in range(len(PROMPTS)) for j in range(4)
+    ]
     for s in samples:
         assert 1 <= len(s.token_ids) <= 3 and len(s.logprobs) == len(s.token_ids)
         assert s.finish_reason in ("stop", "length")
@@ -92,9 +94,15 @@ def test_groups_give_n_samples_with_the_embedded_engines_fields(served):
 def test_seeded_samples_reproduce(served):
     engine, tok = served
     params = SamplingParams(temperature=1.0, max_tokens=8, seed=7)
-    runs = [{(s.group_id, s.sample_index): s.token_ids for s in engine.generate(_requests(tok, 4, params))} for _ in range(2)]
+    runs = [
+        {(s.group_id, s.sample_index): s.token_ids for s in engine.generate(_requests(tok, 4, params))}
+        for _ in range(2)
+    ]
     assert runs[0] == runs[1]
-    other = {(s.group_id, s.sample_index): s.token_ids for s in engine.generate(_requests(tok, 4, SamplingParams(1.0, 1.0, 8, seed=8)))}
+    other = {
+        (s.group_id, s.sample_index): s.token_ids
+        for s in engine.generate(_requests(tok, 4, SamplingParams(1.0, 1.0, 8, seed=8)))
+    }
     assert other != runs[0]
 
 
@@ -111,7 +119,9 @@ def test_behaviour_logprobs_are_under_the_sampling_distribution(served, storage)
     engine, tok = served
     model, _ = load_policy(storage[1])
     samples = list(engine.generate(_requests(tok, 3, SamplingParams(temperature=0.7, max_tokens=8, seed=1))))
-    batch = pack_sequences([list(s.prompt_token_ids) for s in samples], [s.token_ids for s in samples], tok.pad_token_id)
+    batch = pack_sequences(
+        [list(s.prompt_token_ids) for s in samples], [s.token_ids for s in samples], tok.pad_token_id
+    )
     with torch.no_grad():
         trainer = token_logprobs(model, batch, temperature=0.7)
     width = batch.input_ids.shape[1] - max(len(s.token_ids) for s in samples)
@@ -149,7 +159,10 @@ def test_weights_are_replaced_in_place_and_samples_record_the_new_version(served
     assert same is engine and engine.llm.llm_engine.engine_core is core  # no restart
     assert 0.0 < pause < 30.0
     after = list(engine.generate(_requests(tok, 1, greedy)))
-    expected = {s.group_id: s.token_ids for s in EmbeddedEngine(model, tok.eos_token_id, tok.pad_token_id).generate(_requests(tok, 1, greedy))}
+    expected = {
+        s.group_id: s.token_ids
+        for s in EmbeddedEngine(model, tok.eos_token_id, tok.pad_token_id).generate(_requests(tok, 1, greedy))
+    }
     assert {s.group_id: s.token_ids for s in after} == expected != before
     assert all(s.token_policy_versions == [5] * len(s.token_ids) for s in after)
 
@@ -158,6 +171,7 @@ def test_weights_are_replaced_in_place_and_samples_record_the_new_version(served
 
 
 # -- a real round ---------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def campaign(prefect_harness, storage, served):
@@ -223,4 +237,5 @@ def test_rlrounds_eval_scores_a_version_at_a_serving_precision(campaign, capsys)
     tags = _client(storage).get_model_version(MODEL, "1").tags
     assert 0.0 <= float(tags["eval.vllm.bfloat16.accuracy"]) <= 1.0
     assert float(tags["eval.vllm.bfloat16.serving_gap"]) == pytest.approx(
-        float(tags["eval.vllm.bfloat16.accuracy"]) - float(tags["eval.vllm.bfloat16.accuracy_train_precision"]))
+        float(tags["eval.vllm.bfloat16.accuracy"]) - float(tags["eval.vllm.bfloat16.accuracy_train_precision"])
+    )

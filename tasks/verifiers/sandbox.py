@@ -53,21 +53,22 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
-from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
+from pydantic import ConfigDict, ValidationInfo, field_validator
 
-from tasks.verify import Outcome, Verdict, VerifierInfraError
+from tasks.config_base import Config
+from tasks.verifiers.outcome import Outcome, Verdict, VerifierInfraError
 
 VERSION = "2"  # bump when isolation or classification changes; recorded with every reward
 SANDBOX_UIDS = range(1_500_000_000, 1_600_000_000)  # per-run uids and gids; nothing else uses them
 
 
-class SandboxLimits(BaseModel):
+class SandboxLimits(Config):
     """Resource limits for one sandboxed run. Worst-case memory of one sample is
     ``max_processes * memory_mib`` plus ``disk_mib``: size the verifier pool with that in mind."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True)
 
     wall_timeout_s: float = 5.0
     """Seconds from launch until the whole sandbox is killed; the model's failure (it hung or slept)."""
@@ -189,7 +190,9 @@ def verify_python(completion_text: str, reference: str, limits: SandboxLimits | 
 def run_sandboxed(solution: str, tests: str, limits: SandboxLimits) -> SandboxRun:
     """Run solution then tests in a fresh sandbox; returns what happened, raises on setup trouble."""
     if sys.platform != "linux" or os.geteuid() != 0:
-        raise VerifierInfraError("the Python sandbox needs Linux and root (for namespaces and a private uid)", retryable=False)
+        raise VerifierInfraError(
+            "the Python sandbox needs Linux and root (for namespaces and a private uid)", retryable=False
+        )
     python = os.path.realpath(limits.python or getattr(sys, "_base_executable", sys.executable))
     uid = SANDBOX_UIDS.start + secrets.randbelow(len(SANDBOX_UIDS))
     nonce = secrets.token_hex(16)
@@ -200,16 +203,27 @@ def run_sandboxed(solution: str, tests: str, limits: SandboxLimits) -> SandboxRu
         status_r, status_w = os.pipe()
         result_r, result_w = os.pipe()
         config = {
-            "workdir": workdir, "uid": uid, "python": python, "runner": _source(_runner),
-            "status_fd": status_w, "result_fd": result_w, "cpu_s": limits.cpu_time_s,
-            "memory_bytes": limits.memory_mib << 20, "nproc": limits.max_processes,
-            "nofile": limits.max_open_files, "disk_mib": limits.disk_mib,
+            "workdir": workdir,
+            "uid": uid,
+            "python": python,
+            "runner": _source(_runner),
+            "status_fd": status_w,
+            "result_fd": result_w,
+            "cpu_s": limits.cpu_time_s,
+            "memory_bytes": limits.memory_mib << 20,
+            "nproc": limits.max_processes,
+            "nofile": limits.max_open_files,
+            "disk_mib": limits.disk_mib,
         }
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-I", "-S", "-c", _source(_bootstrap), json.dumps(config)],
-                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                pass_fds=(status_w, result_w), env={}, start_new_session=True,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                pass_fds=(status_w, result_w),
+                env={},
+                start_new_session=True,
             )
         except OSError as exc:
             for fd in (status_r, result_r):
@@ -314,7 +328,7 @@ def processes_of(uid: int) -> list[int]:
     return pids
 
 
-@lru_cache(maxsize=None)
+@cache
 def _source(function: object) -> str:
     """A self-contained function's source plus a call, for ``python -c`` in a fresh interpreter."""
     return inspect.getsource(function) + f"\n{function.__name__}()\n"  # type: ignore[attr-defined]
@@ -325,7 +339,13 @@ def _source(function: object) -> str:
 
 def _bootstrap() -> None:
     """As root: namespaces, read-only mounts, then fork the sandbox's init, drop it and exec."""
-    import ctypes, json, os, resource, signal, struct, sys  # noqa: E401
+    import ctypes
+    import json
+    import os
+    import resource
+    import signal
+    import struct
+    import sys
 
     cfg = json.loads(sys.argv[1])
     status, workdir, uid = cfg["status_fd"], cfg["workdir"], cfg["uid"]
@@ -369,8 +389,7 @@ def _bootstrap() -> None:
         # mount_setattr(AT_FDCWD, "/", AT_RECURSIVE, {RDONLY | NOSUID}): everything read-only.
         attr = struct.pack("QQQQ", 0x1 | 0x2, 0, 0, 0)
         check(libc.syscall(442, -100, b"/", 0x8000, attr, len(attr)), "mount_setattr read-only")
-        mount("tmpfs", workdir, "tmpfs", MS_NOSUID | MS_NODEV,
-              f"size={cfg['disk_mib']}m,mode=0700,uid={uid},gid={uid}")
+        mount("tmpfs", workdir, "tmpfs", MS_NOSUID | MS_NODEV, f"size={cfg['disk_mib']}m,mode=0700,uid={uid},gid={uid}")
         task_path = os.path.join(workdir, "task.json")  # now on the tmpfs; the host copy is hidden
         with open(task_path, "wb") as f:
             f.write(task)
@@ -384,9 +403,13 @@ def _bootstrap() -> None:
             os.setsid()
             mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)  # shows this namespace only
             os.chdir(workdir)
-            for limit, value in ((resource.RLIMIT_CPU, cfg["cpu_s"]), (resource.RLIMIT_AS, cfg["memory_bytes"]),
-                                 (resource.RLIMIT_NPROC, cfg["nproc"]), (resource.RLIMIT_NOFILE, cfg["nofile"]),
-                                 (resource.RLIMIT_CORE, 0)):
+            for limit, value in (
+                (resource.RLIMIT_CPU, cfg["cpu_s"]),
+                (resource.RLIMIT_AS, cfg["memory_bytes"]),
+                (resource.RLIMIT_NPROC, cfg["nproc"]),
+                (resource.RLIMIT_NOFILE, cfg["nofile"]),
+                (resource.RLIMIT_CORE, 0),
+            ):
                 resource.setrlimit(limit, (value, value))  # soft == hard: the CPU limit ends in SIGKILL
             os.setgroups([])
             os.setresgid(uid, uid, uid)
@@ -431,7 +454,13 @@ def _runner() -> None:
     The model's code never runs in this process: it cannot reach the tests, their namespace, the
     nonce or the result pipe, and what comes back from it is parsed as a Python literal, so only
     plain values (no object with its own ``__eq__``) are ever compared by the tests."""
-    import ast, builtins, ctypes, json, os, signal, sys  # noqa: E401
+    import ast
+    import builtins
+    import ctypes
+    import json
+    import os
+    import signal
+    import sys
 
     result = int(sys.argv[1])
     with open("task.json", "rb") as f:  # read before any model code can rewrite the tests
@@ -463,7 +492,10 @@ def _runner() -> None:
     def gone() -> SolutionGone:
         _, status = os.waitpid(child, 0)
         code = os.waitstatus_to_exitcode(status)
-        how = f"exited with {code}" if code >= 0 else f"was killed by {signal.Signals(-code).name} (a limit, or its own doing)"
+        if code >= 0:
+            how = f"exited with {code}"
+        else:
+            how = f"was killed by {signal.Signals(-code).name} (a limit, or its own doing)"
         return SolutionGone(f"the solution's process {how} before the tests finished")
 
     def ask(message: object) -> object:
@@ -510,7 +542,9 @@ def _solution_server() -> None:
     Requests and replies are one Python literal per line. A result is sent only if it is a plain
     value of builtin types exactly (no subclass, nothing with its own ``__eq__``); an exception is sent
     as its type's name and message. Whatever this process does, the tests parse only literals."""
-    import ast, os, sys  # noqa: E401
+    import ast
+    import os
+    import sys
 
     calls = os.fdopen(int(sys.argv[1]), "r")
     replies = os.fdopen(int(sys.argv[2]), "w")

@@ -35,7 +35,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
-from tasks.verify import Outcome, Verdict, VerifierInfraError
+from tasks.verifiers.outcome import Outcome, Verdict, VerifierInfraError
 
 VERSION = "2"  # bump when the parsing or comparison rules change; recorded with every reward
 
@@ -123,8 +123,8 @@ class _Worker:
     """One math-verify process, used by one verifier thread at a time."""
 
     def __init__(self, startup_timeout_s: float) -> None:
-        root = str(Path(__file__).resolve().parents[1])
-        boot = f"import sys; sys.path.insert(0, {root!r}); from tasks.verify_math import _serve; _serve()"
+        root = str(Path(__file__).resolve().parents[2])  # the checkout holding tasks/
+        boot = f"import sys; sys.path.insert(0, {root!r}); from tasks.verifiers.math import _serve; _serve()"
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-c", boot], stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=root
@@ -204,10 +204,15 @@ class MathVerifier:
         except _DeadlinePassed:
             worker.kill()
             if self._timed_out_before(completion_text, reference):
-                return Verdict(0.0, Outcome.MODEL_FAILURE, f"the answer kept math-verify busy past its {self.timeout_s}s "
-                                                           "deadline on two attempts")
-            raise VerifierInfraError(f"math verifier gave no answer within {self.timeout_s}s (first time for this "
-                                     "sample: retried before it is blamed on the answer)") from None
+                return Verdict(
+                    0.0,
+                    Outcome.MODEL_FAILURE,
+                    f"the answer kept math-verify busy past its {self.timeout_s}s deadline on two attempts",
+                )
+            raise VerifierInfraError(
+                f"math verifier gave no answer within {self.timeout_s}s (first time for this sample: retried "
+                "before it is blamed on the answer)"
+            ) from None
         except _WorkerGone as exc:
             worker.kill()
             raise VerifierInfraError(f"math verifier gave no answer: {exc}") from None
@@ -245,15 +250,20 @@ class MathVerifier:
             worker.kill()
 
 
-_default: MathVerifier | None = None
-_default_lock = threading.Lock()
+_shared: dict[float, MathVerifier] = {}
+_shared_lock = threading.Lock()
+
+
+def shared_verifier(timeout_s: float = 5.0) -> MathVerifier:
+    """The registered ``math`` verifier: one MathVerifier per deadline, shared by every round of this
+    process (its workers stay warm), closed at exit."""
+    with _shared_lock:
+        if timeout_s not in _shared:
+            _shared[timeout_s] = MathVerifier(timeout_s)
+            atexit.register(_shared[timeout_s].close)
+        return _shared[timeout_s]
 
 
 def verify_math(completion_text: str, reference: str) -> Verdict:
-    """The registered ``math`` verifier: a shared MathVerifier with the default deadline."""
-    global _default
-    with _default_lock:
-        if _default is None:
-            _default = MathVerifier()
-            atexit.register(_default.close)
-    return _default(completion_text, reference)
+    """The ``math`` verifier with the default deadline."""
+    return shared_verifier()(completion_text, reference)

@@ -1,143 +1,26 @@
-"""Verification: turn a finished sample into a reward and an outcome.
+"""The verifier pool: verify samples on worker threads while the engine keeps generating.
 
-Verifiers are pure functions of (completion_text, reference). They say three different things:
-
-- a reward in [0, 1] with outcome ``success`` or ``model_failure`` -- the model's own doing;
-- ``VerifierInfraError`` raised -- the environment failed (sandbox could not start, worker died,
-  verifier bug, the verifier itself timed out); the sample must never enter the gradient as a zero
-  reward. ``retryable=False`` marks failures a second attempt cannot fix (a bad reference);
-- reward ``None`` with outcome ``unknown`` -- the verifier ran but cannot score this sample.
-
-The ``VerifierPool`` runs verifiers beside generation so finished samples are scored while others
-still generate; its size is set independently of the rollout engine. It retries infrastructure
-failures within a per-round budget and turns everything that goes wrong around a verifier (a dead
-worker, a call that never returns, a dead pool) into an ``infra_failure`` verdict, so a round always
-finishes and ``verify.max_infra_failure_rate`` decides whether it may train.
+The pool's size is set independently of the rollout engine. It retries infrastructure failures
+within a per-round budget and turns everything that goes wrong around a verifier (a dead worker, a
+call that never returns, a dead pool) into an ``infra_failure`` verdict, so a round always finishes
+and ``verify.max_infra_failure_rate`` decides whether it may train.
 """
 
 from __future__ import annotations
 
-import enum
 import math
 import queue
-import re
 import threading
 import time
 from collections import Counter
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, replace
-from typing import Callable
 
-from pydantic import BaseModel, ConfigDict, Field
-
-
-class VerifyConfig(BaseModel):
-    """How finished samples are scored."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    verifier: str | None = None
-    """Verifier name; default: the prompts' task name (e.g. 'addition')."""
-    workers: int = Field(2, ge=1, le=256)
-    """Verifier threads, sized independently of the engine: scoring overlaps generation."""
-    max_infra_failure_rate: float = Field(0.2, ge=0.0, le=1.0)
-    """A round whose share of infrastructure failures exceeds this fails loudly instead of training."""
-    infra_retries: int = Field(2, ge=0, le=10)
-    """Extra attempts for one sample after an infrastructure failure (sandbox did not start, worker
-    died, verifier bug). Failures a verifier marks permanent (a bad reference) are not retried."""
-    infra_retry_budget: int = Field(256, ge=0)
-    """Recovery actions one round may spend: retries plus replacements of dead or stuck workers. When it
-    is spent, further infrastructure failures are recorded at once, so a broken environment fails the
-    round quickly instead of retrying every sample."""
-    timeout_s: float = Field(60.0, gt=0.0, le=3600.0)
-    """Seconds one verifier call may run before the pool records infra_failure and replaces its worker.
-    Keep it above the verifier's own deadline (math: 5 s; python sandbox: wall_timeout_s), which
-    decides whether slowness is the model's; this one only catches a verifier that never returns."""
-
-
-class Outcome(str, enum.Enum):
-    SUCCESS = "success"
-    MODEL_FAILURE = "model_failure"
-    INFRA_FAILURE = "infra_failure"
-    UNKNOWN = "unknown"
-
-
-class VerifierInfraError(RuntimeError):
-    """The environment, not the model, failed while scoring a sample.
-
-    ``retryable=False``: another attempt cannot help (the reference itself is broken)."""
-
-    def __init__(self, message: str, retryable: bool = True) -> None:
-        super().__init__(message)
-        self.retryable = retryable
+from tasks.verifiers.outcome import Outcome, Verdict, Verifier, VerifierInfraError
 
 
 class InfraFailureRateError(RuntimeError):
     """A round's share of infrastructure failures passed ``verify.max_infra_failure_rate``."""
-
-
-@dataclass(frozen=True)
-class Verdict:
-    reward: float | None
-    outcome: Outcome
-    error: str | None = None
-    latency_s: float = 0.0
-    attempts: int = 1
-
-
-Verifier = Callable[[str, str], Verdict]
-"""(completion_text, reference) -> Verdict. Raises VerifierInfraError on infrastructure failure."""
-
-
-# -- the built-in addition task ------------------------------------------------------------------
-
-_INTEGER = re.compile(r"[+-]?\d+")
-
-
-def verify_addition(completion_text: str, reference: str) -> Verdict:
-    """Exact integer match of the whole completion (surrounding whitespace ignored).
-
-    The built-in policy answers with digits then end-of-sequence, so anything beyond the digits
-    ("12+", "1 2", "") is the model's failure, not an unparseable sample.
-    """
-    try:
-        expected = int(reference)
-    except ValueError as exc:  # a bad reference is the dataset's fault, never the model's
-        raise VerifierInfraError(f"reference {reference!r} is not an integer", retryable=False) from exc
-    answer = completion_text.strip()
-    if _INTEGER.fullmatch(answer) and int(answer) == expected:
-        return Verdict(1.0, Outcome.SUCCESS)
-    return Verdict(0.0, Outcome.MODEL_FAILURE)
-
-
-# -- verifiers in their own modules, imported on first use so importing this module stays cheap ----
-
-
-def verify_math(completion_text: str, reference: str) -> Verdict:
-    """Free-form final answers ("#### 42", "\\boxed{...}"), via math-verify: tasks/verify_math.py."""
-    from tasks.verify_math import verify_math as verify
-
-    return verify(completion_text, reference)
-
-
-def verify_python(completion_text: str, reference: str) -> Verdict:
-    """The completion's Python code against the reference's asserts, sandboxed: tasks/sandbox.py."""
-    from tasks.sandbox import verify_python as verify
-
-    return verify(completion_text, reference)
-
-
-VERIFIERS: dict[str, Verifier] = {"addition": verify_addition, "math": verify_math, "python": verify_python}
-# "math" and "python" must equal tasks.verify_math.VERSION and tasks.sandbox.VERSION (a test checks).
-VERIFIER_VERSIONS: dict[str, str] = {"addition": "1", "math": "2", "python": "2"}
-
-
-def get_verifier(name: str) -> Verifier:
-    try:
-        return VERIFIERS[name]
-    except KeyError:
-        known = ", ".join(sorted(VERIFIERS))
-        raise ValueError(f"unknown verifier {name!r}; set verifier to one of: {known}") from None
 
 
 def _classified_call(verifier: Verifier, completion_text: str, reference: str) -> tuple[Verdict, bool]:
@@ -185,7 +68,7 @@ class _Job:
 
 
 class _Worker(threading.Thread):
-    def __init__(self, pool: "VerifierPool", index: int) -> None:
+    def __init__(self, pool: VerifierPool, index: int) -> None:
         super().__init__(name=f"verifier-{index}", daemon=True)  # a stuck verifier must not block exit
         self.pool = pool
         self.job: _Job | None = None
@@ -285,7 +168,7 @@ class VerifierPool:
         self._stop.set()
         self._monitor.join()
 
-    def __enter__(self) -> "VerifierPool":
+    def __enter__(self) -> VerifierPool:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -326,7 +209,10 @@ class VerifierPool:
                 with self._lock:
                     worker.job = None
                     self.counts["deaths"] += 1
-                _resolve(job.future, Verdict(None, Outcome.INFRA_FAILURE, f"verifier worker died: {type(exc).__name__}: {exc}"))
+                _resolve(
+                    job.future,
+                    Verdict(None, Outcome.INFRA_FAILURE, f"verifier worker died: {type(exc).__name__}: {exc}"),
+                )
                 return
             _resolve(job.future, verdict)
             with self._lock:
@@ -340,7 +226,12 @@ class VerifierPool:
             attempts += 1
             verdict, retryable = _classified_call(self._verifier, job.completion_text, job.reference)
             latency += verdict.latency_s
-            if verdict.outcome != Outcome.INFRA_FAILURE or not retryable or attempts > self._retries or not self._spend("retries"):
+            if (
+                verdict.outcome != Outcome.INFRA_FAILURE
+                or not retryable
+                or attempts > self._retries
+                or not self._spend("retries")
+            ):
                 break
         if attempts > 1 and verdict.outcome == Outcome.INFRA_FAILURE:
             verdict = replace(verdict, error=f"{verdict.error} (after {attempts} attempts)")
@@ -359,7 +250,12 @@ class VerifierPool:
         failed: list[tuple[Future, str]] = []
         with self._lock:
             for w in self._workers:
-                if w.job is not None and not w.abandoned and self._timeout_s is not None and now - w.since > self._timeout_s:
+                if (
+                    w.job is not None
+                    and not w.abandoned
+                    and self._timeout_s is not None
+                    and now - w.since > self._timeout_s
+                ):
                     w.abandoned = True
                     self.counts["timeouts"] += 1
                     failed.append((w.job.future, f"verifier gave no verdict within {self._timeout_s:g}s"))

@@ -1,0 +1,74 @@
+"""No process outlives the campaign that started it.
+
+A campaign run without a Prefect server starts Prefect's ephemeral API server as a child process (and
+Ray, vLLM's engine core, verifier workers as it goes). A campaign killed with SIGKILL — an out-of-memory
+kill, a preempted machine — cannot stop them, and they live on, adopted by init. So every ``rlrounds``
+process marks its environment with its own identity, which its children inherit, and each start
+terminates the processes whose marking ``rlrounds`` process is gone.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from storage.campaigns import process_started
+
+OWNER_VAR = "RLROUNDS_OWNER"
+
+
+def mark_this_process() -> None:
+    """Children started from now on carry this process's identity."""
+    os.environ[OWNER_VAR] = f"{os.getpid()}:{process_started(os.getpid())}"
+
+
+def _owner_of(pid: int) -> tuple[int, str] | None:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            environ = f.read().split(b"\0")
+    except OSError:
+        return None
+    prefix = f"{OWNER_VAR}=".encode()
+    for entry in environ:
+        if entry.startswith(prefix):
+            owner, _, started = entry[len(prefix) :].decode(errors="replace").partition(":")
+            return (int(owner), started) if owner.isdigit() else None
+    return None
+
+
+def orphans() -> list[int]:
+    """Processes marked by an ``rlrounds`` process that no longer runs."""
+    if not os.path.isdir("/proc"):
+        return []
+    me = os.getpid()
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == me:
+            continue
+        owner = _owner_of(int(name))
+        if owner is None or owner[0] == me:
+            continue
+        owner_pid, started = owner
+        if process_started(owner_pid) != started:  # gone, or its pid now belongs to another process
+            found.append(int(name))
+    return found
+
+
+def reap_orphans(grace_s: float = 5.0) -> list[int]:
+    """Terminate what killed campaigns left behind (SIGTERM, then SIGKILL after ``grace_s``); returns the pids."""
+    victims = orphans()
+    for pid in victims:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except (ProcessLookupError, PermissionError):
+            pass
+    deadline = time.monotonic() + grace_s
+    for pid in victims:
+        while process_started(pid) is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return victims

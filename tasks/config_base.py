@@ -1,0 +1,44 @@
+"""The base of every config model: unknown fields are errors, and each field's docstring is its help.
+
+``use_attribute_docstrings`` turns the docstring under a field into its ``description``, so the one
+text written where a field is declared reaches people three ways: the Prefect UI's forms (JSON schema
+``description``), ``rlrounds config`` (a comment above the field) and validation errors
+(``field_help`` appends it to pydantic's message).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+
+class Config(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+
+def field_help(model: type[BaseModel], loc: tuple[Any, ...]) -> str | None:
+    """The description of the field at ``loc`` (a validation error's location) under ``model``, or None.
+
+    Walks nested models through their declared types (``RoundConfig | None`` included), one path
+    element at a time; a location that leaves the models (a list index, a dict key) has no help."""
+    current: Any = model
+    described: str | None = None
+    for part in loc:
+        fields = getattr(current, "model_fields", None)
+        if not isinstance(part, str) or fields is None or part not in fields:
+            return None
+        field = fields[part]
+        described = field.description
+        current = _model_in(field.annotation)
+    return " ".join(described.split()) if described else None
+
+
+def _model_in(annotation: Any) -> Any:
+    """The pydantic model an annotation holds (``X``, ``X | None``), else None."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()):
+        if isinstance(arg, type) and issubclass(arg, BaseModel):
+            return arg
+    return None

@@ -1,0 +1,49 @@
+"""The verifiers a round can name, each with the version recorded beside every reward it gives.
+
+A verifier's module declares its ``VERSION`` (bumped when its rules change); a ``VerifierSpec`` ties
+a name to that version and to how the verifier is built from ``VerifyConfig`` (the sandbox limits,
+the math deadline). Importing this module is cheap: math-verify and the sandbox start on first use.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tasks.verifiers import addition, math, sandbox
+from tasks.verifiers.config import VerifyConfig
+from tasks.verifiers.outcome import Verifier
+
+
+@dataclass(frozen=True)
+class VerifierSpec:
+    version: str
+    build: Callable[[VerifyConfig], Verifier]
+    """The verifier a round uses, configured by its ``verify`` section."""
+
+
+VERIFIERS: dict[str, VerifierSpec] = {
+    "addition": VerifierSpec(addition.VERSION, lambda config: addition.verify_addition),
+    "math": VerifierSpec(math.VERSION, lambda config: math.shared_verifier(config.math_timeout_s)),
+    "python": VerifierSpec(
+        sandbox.VERSION, lambda config: functools.partial(sandbox.verify_python, limits=config.sandbox)
+    ),
+}
+
+
+def _spec(name: str) -> VerifierSpec:
+    try:
+        return VERIFIERS[name]
+    except KeyError:
+        known = ", ".join(sorted(VERIFIERS))
+        raise ValueError(f"unknown verifier {name!r}; set verify.verifier to one of: {known}") from None
+
+
+def get_verifier(name: str, config: VerifyConfig | None = None) -> Verifier:
+    """The verifier called ``name``, configured by ``config`` (default: VerifyConfig's defaults)."""
+    return _spec(name).build(config or VerifyConfig())
+
+
+def verifier_version(name: str) -> str:
+    return _spec(name).version

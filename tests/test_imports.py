@@ -1,0 +1,145 @@
+"""The module import graph: one way (flows -> tasks -> storage/models), no cycles, Prefect only in flows/.
+
+Every import counts, including those inside functions (a lazy import is still a dependency).
+``python tests/test_imports.py`` prints the graph, one module and what it imports per line.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("flows", "tasks", "storage", "models")
+# What each layer may import (besides itself): flows -> tasks -> storage/models.
+ALLOWED = {
+    "flows": {"tasks", "storage", "models"},
+    "tasks": {"storage", "models"},
+    "storage": set(),
+    "models": set(),
+}
+
+
+def modules() -> dict[str, Path]:
+    """Module name -> file, for every module of the four packages."""
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def imports_of(path: Path, name: str, known: set[str]) -> set[str]:
+    """The project modules ``path`` imports: ``from a.b import c`` counts as a.b.c when that is a module."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolved against this module's package
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:  # `import a.b.c` of a name inside a module: the module
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                out.add(target)
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    found = modules()
+    return {name: imports_of(path, name, set(found)) for name, path in found.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return out
+
+
+def test_the_import_graph_has_no_cycles():
+    graph = import_graph()
+    assert "tasks.verifiers.pool" in graph and "flows.cli" in graph  # the walk found the packages
+    assert cycles(graph) == []
+
+
+def test_cycles_are_found():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_imports_go_one_way():
+    def layer(module: str) -> str:
+        return module.split(".")[0]
+
+    wrong = [f"{source} -> {target}" for source, targets in import_graph().items() for target in sorted(targets)
+             if layer(target) != layer(source) and layer(target) not in ALLOWED[layer(source)]]
+    assert wrong == []
+
+
+def test_tasks_storage_and_models_do_not_import_prefect():
+    """Validating a config or running the pure tests never pays Prefect's import."""
+    names = [name for name in modules() if name.split(".")[0] != "flows"]
+    code = ("import importlib, sys\n"
+            f"for name in {names!r}:\n"
+            "    importlib.import_module(name)\n"
+            "print(sorted(m for m in sys.modules if m == 'prefect' or m.startswith('prefect.')))\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]"
+    source = "\n".join(path.read_text() for name, path in modules().items() if name.split(".")[0] != "flows")
+    assert "prefect import" not in source and "import prefect" not in source  # not even lazily
+
+
+def main() -> None:
+    graph = import_graph()
+    for name in sorted(graph):
+        print(f"{name} -> {', '.join(sorted(graph[name])) or '(nothing of the project)'}")
+    found = cycles(graph)
+    edges = sum(len(targets) for targets in graph.values())
+    print(f"\n{len(graph)} modules, {edges} imports, {len(found)} cycles" + "".join(f"\n  cycle: {c}" for c in found))
+    sys.exit(1 if found else 0)
+
+
+if __name__ == "__main__":
+    main()

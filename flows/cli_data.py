@@ -1,5 +1,5 @@
 """``rlrounds`` commands over what rounds leave behind: trajectories (list, show, export), refilter,
-replay, lineage and gc. ``add_commands`` registers them on the main parser (flows/cli.py).
+reverify, replay, lineage and gc. ``add_commands`` registers them on the main parser (flows/cli.py).
 
 Only argparse is imported here at module level; each command imports what it needs, so
 ``rlrounds --help`` stays instant. Read-only commands never create anything under the root.
@@ -51,6 +51,17 @@ def add_commands(sub) -> None:
     refilter.add_argument("--target-groups", type=int, help="with --regroup: keep only the first N trainable groups")
     _storage_arg(refilter)
     refilter.set_defaults(func=cmd_refilter)
+
+    reverify = sub.add_parser("reverify", help="verify selected rows of a version again into a derived version")
+    reverify.add_argument("version", help="version id or a unique prefix (6+ characters)")
+    reverify.add_argument(
+        "--where",
+        default=None,
+        help="SQL predicate choosing the rows to verify again (default: \"outcome = 'infra_failure'\")",
+    )
+    reverify.add_argument("--verifier", help="verifier name (default: the one recorded on the rows)")
+    _storage_arg(reverify)
+    reverify.set_defaults(func=cmd_reverify)
 
     replay = sub.add_parser("replay", help="train on a stored trajectory version from a registered model version")
     replay.add_argument("--trajectories", required=True, help="trajectory version id or unique prefix")
@@ -226,6 +237,28 @@ def cmd_refilter(args: argparse.Namespace) -> int:
         f"derived version {result.version} from {result.parent}: {s['filter/rows']:.0f} rows, kept "
         f"{s['filter/kept_rows']:.0f} "
         f"in {s['filter/kept_groups']:.0f} groups{' (regrouped)' if args.regroup else ''} -> {result.uri}"
+    )
+    return 0
+
+
+def cmd_reverify(args: argparse.Namespace) -> int:
+    from flows.errors import UserError
+    from tasks.refilter import REVERIFY_DEFAULT_WHERE, ReverifyRequest, run_reverify
+    from tasks.verifiers.config import VerifyConfig
+
+    root = _root(args)
+    request = ReverifyRequest(
+        version=args.version, where=args.where or REVERIFY_DEFAULT_WHERE, verify=VerifyConfig(verifier=args.verifier)
+    )
+    try:
+        result = run_reverify(storage=root.uri, request=request)
+    except ValueError as exc:  # no such verifier, several recorded
+        raise UserError(str(exc)) from None
+    s, v = result.stats, result.verifier
+    print(
+        f"derived version {result.version} from {result.parent}: {result.rows} rows verified again with "
+        f"{v['name']} v{v['version']} ({_counts(result.outcomes_before)} -> {_counts(result.outcomes_after)}); "
+        f"kept {s['filter/kept_rows']:.0f} rows in {s['filter/kept_groups']:.0f} groups -> {result.uri}"
     )
     return 0
 

@@ -4,6 +4,8 @@
   result with its lineage (tasks/replay.py).
 - ``rl-refilter``: select rows of a trajectory version with an SQL predicate, optionally regroup, and
   commit a derived version (tasks/refilter.py).
+- ``rl-reverify``: score selected rows of a trajectory version again (by default its infrastructure
+  failures, once the environment is fixed) into a derived version (tasks/refilter.py).
 
 Sequencing only. The parameters are pydantic models, so the Prefect UI renders them as forms.
 """
@@ -16,13 +18,13 @@ from pydantic import field_validator
 
 from flows.campaign import code_version
 from flows.config import RoundConfig
-from flows.tasks import plan_replay_task, publish_replay_task, refilter_task, train_task
+from flows.tasks import plan_replay_task, publish_replay_task, refilter_task, reverify_task, train_task
 from storage.lineage import LineageError, parse_model_version
 from storage.settings import settings
 from tasks.config_base import Config
 from tasks.engines import released_engines
-from tasks.refilter import RefilterRequest
-from tasks.results import TrajectoryVersion
+from tasks.refilter import RefilterRequest, ReverifyRequest
+from tasks.results import Reverified, TrajectoryVersion
 
 
 class ReplayRequest(Config):
@@ -98,3 +100,8 @@ def rl_replay(request: ReplayRequest, storage: str | None = None) -> dict:
 @flow(name="rl-refilter", validate_parameters=True)
 def rl_refilter(request: RefilterRequest, storage: str | None = None) -> TrajectoryVersion:
     return refilter_task(storage=storage or settings().storage, request=request)
+
+
+@flow(name="rl-reverify", validate_parameters=True)
+def rl_reverify(request: ReverifyRequest, storage: str | None = None) -> Reverified:
+    return reverify_task(storage=storage or settings().storage, request=request)

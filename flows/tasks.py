@@ -19,7 +19,7 @@ from tasks.evaluate import run_evaluate, run_evaluate_version
 from tasks.filter import run_filter
 from tasks.preflight import run_preflight
 from tasks.publish import run_publish
-from tasks.refilter import run_refilter
+from tasks.refilter import run_refilter, run_reverify
 from tasks.replay import run_plan_replay, run_publish_replay
 from tasks.report import run_open_round, run_record_round
 from tasks.results import RoundRecord
@@ -62,3 +62,4 @@ evaluate_version_task = _task("evaluate-version", run_evaluate_version)
 plan_replay_task = _task("plan-replay", run_plan_replay)
 publish_replay_task = _task("publish-replay", run_publish_replay)
 refilter_task = _task("refilter", run_refilter)
+reverify_task = _task("reverify", run_reverify)

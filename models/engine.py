@@ -355,14 +355,9 @@ def counter_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) ->
 
 def _top_p_filter(scaled: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
     """Keep the smallest set of tokens whose probability reaches top_p (per row); mask the rest."""
-    import torch
+    from models.policy import nucleus_drop  # the trainer's scoring uses the same rule
 
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)
-    probs = sorted_logits.softmax(-1)
-    before = probs.cumsum(-1) - probs  # mass of strictly more likely tokens
-    drop_sorted = before >= top_ps.unsqueeze(-1)
-    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-    return scaled.masked_fill(drop, float("-inf"))
+    return scaled.masked_fill(nucleus_drop(scaled, top_ps.unsqueeze(-1)), float("-inf"))
 
 
 @dataclass

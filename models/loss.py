@@ -11,8 +11,12 @@ Notation per completion token t of sample i:
     tis   = min(exp(proximal - behaviour), tis_cap)  (detached)     # engine/trainer mismatch correction
     loss  = -tis * min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)  [+ kl_coef * k3(logp, ref)]
 
-Aggregation "token" averages over every completion token in the batch (long answers weigh more);
-"sequence" averages tokens within a sample, then samples.
+Aggregation of the per-token loss over a minibatch of B samples:
+    token     sum over every completion token / number of completion tokens (long answers weigh more)
+    sequence  mean over each sample's tokens, then mean over samples (every sample weighs the same)
+    dr_grpo   sum over every completion token / (B * max_tokens), max_tokens the sampling limit:
+              a constant denominator, so neither a sample's length nor the batch's token count rescales
+              its tokens' gradient (Dr. GRPO, "Understanding R1-Zero-Like Training")
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ class LossInputs:
     mask: torch.Tensor  # [B, T] 1.0 on completion tokens
     proximal_logprobs: torch.Tensor | None = None  # [B, T]
     ref_logprobs: torch.Tensor | None = None  # [B, T] reference policy, for the KL penalty
+    max_tokens: int | None = None  # the sampling limit on completion tokens; dr_grpo divides by B * it
 
 
 @dataclass(frozen=True)
@@ -39,7 +44,7 @@ class LossSettings:
     clip_low: float = 0.2
     clip_high: float = 0.2
     tis_cap: float = 2.0
-    aggregation: str = "token"  # token | sequence
+    aggregation: str = "token"  # token | sequence | dr_grpo
     kl_coef: float = 0.0
 
 
@@ -57,14 +62,20 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1.0)
 
 
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Tensor:
-    """[B, T] -> scalar."""
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, how: str, max_tokens: int | None = None) -> torch.Tensor:
+    """[B, T] -> scalar. ``max_tokens`` (the sampling limit) is needed by 'dr_grpo' only."""
     if how == "token":
         return masked_mean(per_token, mask)
     if how == "sequence":
         per_sample = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)  # [B]
         return per_sample.mean()
-    raise ValueError(f"unknown loss aggregation {how!r}; use 'token' or 'sequence'")
+    if how == "dr_grpo":
+        if not max_tokens or max_tokens < 1:
+            raise ValueError(
+                "loss aggregation 'dr_grpo' divides by samples x max_tokens; pass the sampling limit max_tokens >= 1"
+            )
+        return (per_token * mask).sum() / (per_token.shape[0] * max_tokens)
+    raise ValueError(f"unknown loss aggregation {how!r}; use 'token', 'sequence' or 'dr_grpo'")
 
 
 def policy_loss(x: LossInputs, s: LossSettings) -> LossOutput:
@@ -89,7 +100,7 @@ def policy_loss(x: LossInputs, s: LossSettings) -> LossOutput:
         k3 = torch.exp(delta) - delta - 1.0
         kl = masked_mean(k3, mask)
         per_token = per_token + s.kl_coef * k3
-    loss = aggregate(per_token, mask, s.aggregation)
+    loss = aggregate(per_token, mask, s.aggregation, x.max_tokens)
     with torch.no_grad():
         was_clipped = ((ratio * adv) > (clipped * adv)).float()
         truncated = (
@@ -110,7 +121,8 @@ def policy_loss(x: LossInputs, s: LossSettings) -> LossOutput:
 def logprob_mismatch(trainer: torch.Tensor, engine: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     """How far the engine's logprobs are from the trainer's on the same tokens and weights.
 
-    trainer, engine, mask: [B, T]. Returns mean and max |delta| and a k3 estimate of KL(mu || pi).
+    trainer, engine, mask: [B, T]. Returns mean and max |delta|, a k3 estimate of KL(mu || pi), and the
+    number of tokens they cover (to pool minibatches with ``pooled_mismatch``).
     """
     import torch
 
@@ -122,4 +134,18 @@ def logprob_mismatch(trainer: torch.Tensor, engine: torch.Tensor, mask: torch.Te
             "mean_abs": float(delta.abs().sum() / m.sum().clamp(min=1.0)),
             "max_abs": float(delta.abs().max()) if m.sum() > 0 else 0.0,
             "kl": float(k3.sum() / m.sum().clamp(min=1.0)),
+            "tokens": float(m.sum()),
         }
+
+
+def pooled_mismatch(parts: list[dict[str, float]]) -> dict[str, float]:
+    """Several minibatches' ``logprob_mismatch`` as one, every token weighing the same."""
+    tokens = sum(p["tokens"] for p in parts)
+    if not tokens:
+        return {"mean_abs": 0.0, "max_abs": 0.0, "kl": 0.0, "tokens": 0.0}
+    return {
+        "mean_abs": sum(p["mean_abs"] * p["tokens"] for p in parts) / tokens,
+        "max_abs": max(p["max_abs"] for p in parts),
+        "kl": sum(p["kl"] * p["tokens"] for p in parts) / tokens,
+        "tokens": tokens,
+    }

@@ -140,11 +140,34 @@ def pack_sequences(prompts: list[list[int]], completions: list[list[int]], pad_t
     return TokenBatch(ids, attn, comp[:, 1:])
 
 
-def token_logprobs(model: Any, batch: TokenBatch, temperature: float = 1.0) -> torch.Tensor:
-    """Log-probabilities of each next token under the model at ``temperature``: [B, T-1].
+def nucleus_drop(scaled: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+    """Which tokens top-p sampling excludes: True outside the nucleus.
 
-    The engine reports logprobs under its sampling distribution (logits / temperature), so the
-    trainer must score the same distribution for the ratio to mean anything.
+    scaled: [..., V] temperature-scaled logits; top_ps: [..., 1], broadcast against them. The nucleus
+    is the smallest set of most likely tokens whose probability reaches top_p. The embedded engine
+    samples from it (models/engine.py) and the trainer scores under it (``token_logprobs``), so both
+    sides renormalise over the same set.
+    """
+    import torch
+
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(-1)
+    before = probs.cumsum(-1) - probs  # mass of strictly more likely tokens
+    drop_sorted = before >= top_ps
+    return torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+
+
+def token_logprobs(
+    model: Any, batch: TokenBatch, temperature: float = 1.0, top_p: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Log-probabilities of each next token under the model's sampling distribution: [B, T-1].
+
+    The engine reports logprobs under the distribution it sampled from, so the trainer scores that
+    same distribution for the ratio to mean anything: logits / ``temperature`` and, where a row's
+    ``top_p`` ([B]) is below 1, renormalised over that row's nucleus (``nucleus_drop``),
+    which is the probability the sampled token really had. The nucleus is chosen from the current
+    logits without gradient; the token being scored always stays in it, so a token that left the
+    nucleus after an update gets a small probability rather than -inf (a finite ratio, no NaN).
     """
     import torch
 
@@ -154,4 +177,8 @@ def token_logprobs(model: Any, batch: TokenBatch, temperature: float = 1.0) -> t
     if temperature > 0:
         logits = logits / temperature
     targets = batch.input_ids[:, 1:].unsqueeze(-1)  # [B, T-1, 1]
+    if top_p is not None and bool((top_p < 1).any()):
+        ps = top_p.to(logits.dtype).view(-1, 1, 1)  # [B, 1, 1]
+        drop = nucleus_drop(logits.detach(), ps).scatter(-1, targets, False)  # [B, T-1, V]
+        logits = logits.masked_fill(drop, float("-inf"))
     return torch.log_softmax(logits, dim=-1).gather(-1, targets).squeeze(-1)

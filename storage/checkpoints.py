@@ -49,6 +49,42 @@ def read_lineage(root: StorageRoot, checkpoint_uri: str) -> dict:
         ) from None
 
 
+def base_checkpoint(root: StorageRoot, checkpoint_uri: str) -> str:
+    """The starting checkpoint ``checkpoint_uri`` descends from (itself when it is one).
+
+    Round checkpoints record ``base_checkpoint`` (older ones only ``parent_checkpoint``, which is
+    followed); a built base has no parent, and a base given as a plain Hugging Face directory has no
+    lineage at all."""
+    seen: set[str] = set()
+    uri = checkpoint_uri
+    while uri not in seen:
+        seen.add(uri)
+        lineage = _lineage_if_any(root, uri)
+        if lineage is None or lineage.get("kind") == "base":
+            return uri
+        if lineage.get("base_checkpoint"):
+            return lineage["base_checkpoint"]
+        if not lineage.get("parent_checkpoint"):
+            return uri
+        uri = lineage["parent_checkpoint"]
+    raise CheckpointError(
+        f"checkpoint lineage of {checkpoint_uri} loops back to {uri}; its lineage.json files are corrupt"
+    )
+
+
+def _lineage_if_any(root: StorageRoot, checkpoint_uri: str) -> dict | None:
+    if "://" not in checkpoint_uri:  # a local directory, whatever the root (a base given by path)
+        path = lineage_of(checkpoint_uri)
+        if not os.path.exists(path):
+            return None
+        with open(path) as f:
+            return json.load(f)
+    try:
+        return read_lineage(root, checkpoint_uri)
+    except CheckpointError:
+        return None
+
+
 def local_copy(root: StorageRoot, checkpoint_uri: str) -> str:
     """A local directory holding the checkpoint: the directory itself when local, else a cached copy."""
     if "://" not in checkpoint_uri:  # a local directory (a local root, or a base model given by path)

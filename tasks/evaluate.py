@@ -1,9 +1,14 @@
 """Evaluation: greedy held-out accuracy, at the precision and engine the policy will be served with.
 
 Evaluating only at training precision hides the engine/trainer numeric gap; so every checkpoint is
-scored on the serving engine and dtype, and (when they differ) on the training precision too, and
-the gap is logged. The ``champion`` alias moves only when serving accuracy is not below the current
-champion's.
+scored on the serving engine and dtype (by default the embedded engine at bfloat16, the precision a
+policy is usually served at), and on the training precision too when they differ, and the gap is
+logged. Accuracy is successes over every held-out prompt: a prompt the verifier could not score
+(infra_failure) is not a success, so a flaky environment can only lower it, never inflate it.
+
+The champion gate: a round's checkpoint takes the ``champion`` alias only when its serving accuracy
+is not below the champion's at the same engine and dtype. A champion never scored there is scored
+first, so the comparison is always like with like. Replays and ``rlrounds eval`` never move the alias.
 """
 
 from __future__ import annotations
@@ -30,8 +35,9 @@ class EvaluateConfig(Config):
     """Held-out prompts (.jsonl/.parquet). Default: the built-in task's fixed 500 held-out prompts."""
     serving_engine: Literal["embedded", "vllm"] = "embedded"
     """Engine the policy is served with ('embedded' or 'vllm'); accuracy on it gates promotion."""
-    serving_dtype: str = "float32"
-    """Precision the policy is served at (e.g. bfloat16)."""
+    serving_dtype: str = "bfloat16"
+    """Precision the policy is served at; accuracy at it gates promotion. bfloat16 by default, so the
+    policy is tested at the precision it would be served with, not only at training precision (float32)."""
     max_tokens: int = Field(8, ge=1)
     """Most new tokens per greedy answer."""
     champion_alias: str = "champion"
@@ -46,16 +52,18 @@ class EvaluateConfig(Config):
 
 
 def accuracy(engine, tokenizer, prompts, verifier: Verifier, max_tokens: int) -> dict[str, float]:
-    """Greedy accuracy of ``engine`` on ``prompts``: share of samples the verifier scores as success."""
+    """Greedy accuracy of ``engine`` on ``prompts``: share of prompts the verifier scores as success.
+
+    An infrastructure failure counts as not a success (and is reported): leaving it out of the
+    denominator would let a flaky verifier raise accuracy, and with it promote a checkpoint."""
     successes = infra = lengths = 0
     for prompt, text, tokens in greedy_completions(engine, tokenizer, prompts, max_tokens):
         verdict = run_verifier(verifier, text, prompt.reference)
         successes += verdict.outcome == Outcome.SUCCESS
         infra += verdict.outcome == Outcome.INFRA_FAILURE
         lengths += tokens
-    scored = max(len(prompts) - infra, 1)  # infra failures are not the policy's errors
     return {
-        "accuracy": successes / scored,
+        "accuracy": successes / max(len(prompts), 1),
         "prompts": len(prompts),
         "infra_failures": infra,
         "mean_tokens": lengths / max(len(prompts), 1),
@@ -184,17 +192,51 @@ def run_evaluate(
             version,
             {
                 **evaluation_tags(result),
+                **precision_tags(result),
                 "eval.infra_failures": result["eval/infra_failures"],
                 "eval.mean_tokens": result["eval/mean_tokens"],
             },
         )
         champion = tracker.alias_version(name, config.champion_alias)
-        best = float(tracker.model_version(name, champion).tags.get("eval.accuracy", "-1")) if champion else -1.0
+        best = -1.0
+        if champion and champion != version:
+            best = champion_accuracy(tracker, root, name, champion, result, held_out, verify, config, train_dtype)
         if result["eval/accuracy"] >= best:
             tracker.set_alias(name, config.champion_alias, version)
             promoted = True
         tracker.tag_model_version(name, version, {PROMOTED_TAG: float(promoted)})
     return Evaluation(stats={**result, "eval/promoted": float(promoted)})
+
+
+def champion_accuracy(
+    tracker,
+    root,
+    name: str,
+    champion: str,
+    result: Stats,
+    prompts,
+    verify: VerifyConfig,
+    config: EvaluateConfig,
+    train_dtype: str,
+) -> float:
+    """The champion's serving accuracy on the engine and dtype ``result`` was measured with.
+
+    A figure from another engine or dtype is not comparable (bfloat16 greedy answers differ from
+    float32 ones), so a champion without one is scored now, on a fresh engine, and tagged."""
+    from storage import checkpoints
+
+    key = f"eval.{result['eval/engine']}.{result['eval/dtype']}.accuracy"
+    registered = tracker.model_version(name, champion)
+    if key in registered.tags:
+        return float(registered.tags[key])
+    tags = registered.tags
+    same_place = (tags.get("eval.engine"), tags.get("eval.dtype")) == (result["eval/engine"], result["eval/dtype"])
+    if same_place and "eval.accuracy" in tags:
+        return float(tags["eval.accuracy"])
+    local = checkpoints.local_copy(root, registered.source)
+    scored = evaluate_checkpoint(local, prompts, verify, config, train_dtype, policy_version=None)
+    tracker.tag_model_version(name, champion, precision_tags(scored))
+    return float(scored["eval/accuracy"])
 
 
 def precision_tags(result: dict) -> dict[str, float | str]:

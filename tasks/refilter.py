@@ -1,4 +1,9 @@
-"""Re-filtering: a committed trajectory version + an SQL predicate (optionally regrouped) -> a derived version.
+"""Re-filtering and re-verification: a committed trajectory version + an SQL predicate -> a derived version.
+
+``rlrounds refilter`` selects rows (optionally regrouped); ``rlrounds reverify`` keeps every row but
+runs the verifier again on the selected ones (by default the infrastructure failures, once the
+environment is fixed), records the new verdicts and the verifier's name and version on them, and
+judges the groups holding them again. Both commit derived versions that replay can train on.
 
 The predicate selects rows (DuckDB over the verified parts, storage/query.py). Without regrouping the
 selected rows keep their advantages and kept/drop decisions, exactly as the round stored them. With
@@ -13,11 +18,14 @@ the same parent and predicate always give the same version, and running it again
 
 from __future__ import annotations
 
+from datetime import UTC
+
 from pydantic import Field
 
 from tasks.config_base import Config
 from tasks.filter import FilterConfig, apply_decisions, decide, filter_stats
-from tasks.results import TrajectoryVersion
+from tasks.results import Reverified, TrajectoryVersion
+from tasks.verifiers.config import VerifyConfig
 
 DERIVED_KIND = "derived"
 
@@ -81,3 +89,115 @@ def run_refilter(*, storage: str, request: RefilterRequest) -> TrajectoryVersion
     manifest = write_version(root, root.derived_version, selected, meta)
     stats = filter_stats(selected.select(["group_id", "kept", "drop_reason"]).to_pylist())
     return TrajectoryVersion(version=manifest.version, uri=manifest.directory, parent=parent.version, stats=stats)
+
+
+# -- re-verification ---------------------------------------------------------------------------------
+
+REVERIFY_DEFAULT_WHERE = "outcome = 'infra_failure'"
+
+
+class ReverifyRequest(Config):
+    """Which rows of a version to score again, once the environment that failed them is fixed."""
+
+    version: str
+    """Trajectory version id (or a unique prefix of at least 6 characters)."""
+    where: str = REVERIFY_DEFAULT_WHERE
+    """DuckDB SQL predicate choosing the rows to verify again; default: the infrastructure failures."""
+    verify: VerifyConfig = Field(default_factory=VerifyConfig)
+    """How the rows are scored: the verifier's workers, retries, deadlines and sandbox limits.
+    ``verify.verifier`` defaults to the one recorded on the selected rows (they must name one)."""
+
+
+def reverified_rows(
+    rows: list[dict], chosen: set[tuple[str, int]], verdicts: dict, verifier: dict, config: FilterConfig
+) -> list[dict]:
+    """Rows with the chosen ones' verdicts replaced and the groups holding them judged again.
+
+    ``verdicts``: (group_id, sample_index) -> (Verdict, verified_at). Groups without a re-verified row
+    keep their advantages and kept/drop decisions exactly; a touched group is re-decided by the
+    round's filter rules (an infra failure now scored may give it signal, or a success may vanish)."""
+    updated = []
+    for row in rows:
+        key = (row["group_id"], row["sample_index"])
+        if key in chosen:
+            verdict, verified_at = verdicts[key]
+            row = {
+                **row,
+                "reward": verdict.reward,
+                "outcome": verdict.outcome.value,
+                "verify_error": verdict.error,
+                "verifier": verifier,
+                "verified_at": verified_at,
+                "verify_latency_s": verdict.latency_s,
+            }
+        updated.append(row)
+    touched = {group for group, _ in chosen}
+    in_touched = [r for r in updated if r["group_id"] in touched]
+    regrouped = iter(apply_decisions(in_touched, decide(in_touched, config), None))
+    return [next(regrouped) if r["group_id"] in touched else r for r in updated]
+
+
+def run_reverify(*, storage: str, request: ReverifyRequest) -> Reverified:
+    """Verify the selected rows again and commit a derived version carrying the new verdicts."""
+    from collections import Counter
+    from datetime import datetime
+
+    from storage.paths import StorageRoot
+    from storage.query import select_rows
+    from storage.trajectories import find_version, parent_chain, read_table, rows_to_table, write_version
+    from tasks.verifiers.pool import VerifierPool
+    from tasks.verifiers.registry import get_verifier, verifier_version
+
+    root = StorageRoot.of(storage)
+    parent = find_version(root, request.version)
+    table = read_table(root, parent).drop_columns(["trajectory_version"])
+    chosen_rows = select_rows(table, request.where).to_pylist()
+    recorded = sorted({(r["verifier"] or {}).get("name") for r in chosen_rows} - {None})
+    name = request.verify.verifier or (recorded[0] if len(recorded) == 1 else None)
+    if name is None:
+        raise ValueError(
+            f"the selected rows of {parent.version} name {len(recorded)} verifiers ({recorded}); pass --verifier NAME"
+        )
+    verify = request.verify.model_copy(update={"verifier": name})
+    identity = {"name": name, "version": verifier_version(name)}
+    with VerifierPool(
+        get_verifier(name, verify), verify.workers, verify.infra_retries, verify.infra_retry_budget, verify.timeout_s
+    ) as pool:
+        futures = {
+            (r["group_id"], r["sample_index"]): pool.submit(r["completion_text"], r["reference"]) for r in chosen_rows
+        }
+        verdicts = {key: (f.result(), datetime.now(UTC)) for key, f in futures.items()}
+    config = recorded_filter(parent_chain(root, parent))
+    rows = reverified_rows(table.to_pylist(), set(verdicts), verdicts, identity, config)
+    before = dict(Counter(r["outcome"] for r in chosen_rows))
+    after = dict(Counter(v.outcome.value for v, _ in verdicts.values()))
+    meta = {
+        "kind": DERIVED_KIND,
+        "run_id": parent.body.get("run_id"),
+        "round": parent.body.get("round"),
+        "parent": parent.version,
+        "derivation": {
+            "reverify": {
+                "where": request.where,
+                "verifier": identity,
+                "rows": len(chosen_rows),
+                "outcomes_before": before,
+                "outcomes_after": after,
+            },
+            "filter": config.model_dump(mode="json"),
+            "parent_rows": table.num_rows,
+        },
+    }
+    derived = rows_to_table(rows)
+    manifest = write_version(root, root.derived_version, derived, meta)
+    stats = filter_stats(derived.select(["group_id", "kept", "drop_reason"]).to_pylist())
+    return Reverified(
+        version=manifest.version,
+        uri=manifest.directory,
+        parent=parent.version,
+        stats=stats,
+        rows=len(chosen_rows),
+        verifier=identity,
+        outcomes_before=before,
+        outcomes_after=after,
+    )

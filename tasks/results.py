@@ -76,6 +76,19 @@ class TrajectoryVersion(StageResult):
     resumed: bool = False
 
 
+class Reverified(TrajectoryVersion):
+    """A derived version whose selected rows were verified again (``rlrounds reverify``)."""
+
+    rows: int
+    """How many rows were verified again."""
+    verifier: dict[str, str]
+    """The verifier that scored them: its name and version."""
+    outcomes_before: dict[str, int]
+    """Their outcomes as stored in the parent version."""
+    outcomes_after: dict[str, int]
+    """Their outcomes now."""
+
+
 class Trained(StageResult):
     """A committed checkpoint trained on one trajectory version."""
 

@@ -17,7 +17,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from models.loss import LossInputs, LossSettings, logprob_mismatch, policy_loss
+from models.loss import LossInputs, LossSettings, logprob_mismatch, policy_loss, pooled_mismatch
 from tasks.config_base import Config
 from tasks.context import RoundContext
 from tasks.results import NotInput, Trained
@@ -46,14 +46,22 @@ class TrainConfig(Config):
     """Truncation cap of the engine/trainer importance weight."""
     recompute_proximal: Literal["auto", "always", "never"] = "auto"
     """Recompute the trainer's logprobs at the sampling weights before training ('proximal' policy),
-    enabling the truncated importance-sampling correction. 'auto': only when the engine is not the
-    embedded fp32 engine, where engine and trainer agree to ~1e-6 and the extra forward pass is waste."""
-    aggregation: Literal["token", "sequence"] = "token"
-    """Loss aggregation: mean over all completion tokens, or over tokens then samples."""
+    enabling the truncated importance-sampling correction. 'auto': unless the rows come from the
+    embedded fp32 engine with top_p 1, where engine and trainer agree to ~1e-6 and the extra forward
+    pass is waste."""
+    aggregation: Literal["token", "sequence", "dr_grpo"] = "token"
+    """Loss aggregation: 'token' (mean over all completion tokens of a minibatch), 'sequence' (mean over
+    each sample's tokens, then over samples), or 'dr_grpo' (sum over tokens / (samples x rollout
+    max_tokens), a constant that leaves no length bias; pair it with filter.normalize_std=false)."""
     kl_coef: float = Field(0.0, ge=0.0)
-    """Weight of a k3 KL penalty to the base policy (0: no reference model is loaded)."""
+    """Weight of a k3 KL penalty to the reference policy named by ``kl_reference`` (0: none is loaded)."""
+    kl_reference: Literal["base", "parent"] = "base"
+    """Reference policy of the KL penalty. 'base': the campaign's starting policy, a fixed anchor the
+    whole campaign is pulled towards. 'parent': the checkpoint the round starts from, a moving trust
+    region that only limits how far one round moves."""
     seed: int = 0
-    """Seed for anything random in training (dropout-free models are deterministic on CPU)."""
+    """Seed for anything random in training. Dropout is never active (the policy trains in eval mode),
+    so on CPU an update is a function of the weights and the stored rows alone."""
 
     def loss_settings(self) -> LossSettings:
         return LossSettings(self.clip_low, self.clip_high, self.tis_cap, self.aggregation, self.kl_coef)
@@ -66,6 +74,8 @@ class TrainBatch:
     behaviour: list[list[float]]
     advantages: list[float]
     policy_versions: list[list[int]]
+    top_p: list[float]  # per sample: the nucleus its behaviour logprobs were renormalised over
+    max_tokens: int | None = None  # the sampling limit on completion tokens (dr_grpo's denominator)
 
 
 def minibatches(rows: list[dict], groups_per_step: int, steps: int) -> list[TrainBatch]:
@@ -89,6 +99,8 @@ def minibatches(rows: list[dict], groups_per_step: int, steps: int) -> list[Trai
                 [r["rollout_logprobs"] for r in chosen],
                 [r["advantage"] for r in chosen],
                 [r["token_policy_versions"] for r in chosen],
+                [float((r.get("sampling") or {}).get("top_p") or 1.0) for r in chosen],
+                max(((r.get("sampling") or {}).get("max_tokens") or 0 for r in chosen), default=0) or None,
             )
         )
     return out
@@ -118,33 +130,39 @@ def train_policy(model, pad_token_id: int, batches: list[TrainBatch], config: Tr
         for group in optimizer.param_groups:  # a new round may change the schedule
             group["lr"], group["weight_decay"] = config.learning_rate, config.weight_decay
     packed = [pack_sequences(b.prompt_ids, b.completion_ids, pad_token_id) for b in batches]
+    top_ps = [torch.tensor(b.top_p, dtype=torch.float32) for b in batches]  # [B] each
     proximal = []
     if recompute:  # trainer logprobs at the sampling weights, before any step moves them
-        model.eval()
         with torch.no_grad():
-            proximal = [token_logprobs(model, p, temperature) for p in packed]
+            proximal = [token_logprobs(model, p, temperature, nucleus) for p, nucleus in zip(packed, top_ps)]
     settings = config.loss_settings()
     history: dict[str, list[float]] = {
         k: [] for k in ("loss", "clip_fraction", "grad_norm", "tis_mean", "tis_truncated_fraction", "kl", "ratio_mean")
     }
     lags: list[int] = []
-    mismatch: dict[str, float] = {}
-    model.train()
+    mismatch: list[dict[str, float]] = []
+    # Forward passes stay in eval mode: dropout would make the trainer score another (random) policy
+    # than the engine sampled from, so the ratio would not be 1 at step 0, the mismatch figure would
+    # measure dropout noise, and the loss would depend on the RNG rather than on the stored rows.
+    model.eval()
     for step, (batch, tokens) in enumerate(zip(batches, packed)):
         prompt_width = tokens.input_ids.shape[1] - max(len(c) for c in batch.completion_ids)
         total = tokens.input_ids.shape[1]
         mask = tokens.completion_mask.float()  # [B, T-1]
         behaviour = aligned(batch.behaviour, prompt_width, total)  # [B, T-1]
-        logp = token_logprobs(model, tokens, temperature)  # [B, T-1]
+        logp = token_logprobs(model, tokens, temperature, top_ps[step])  # [B, T-1]
         ref = None
         if ref_model is not None and config.kl_coef > 0:
             with torch.no_grad():
-                ref = token_logprobs(ref_model, tokens, temperature)
-        if step == 0:  # weights still equal the sampling weights: the mismatch is free to measure here
-            # only over tokens sampled by these weights: a carried-over token's gap is staleness, not mismatch
-            versions = aligned(batch.policy_versions, prompt_width, total, fill=-1)  # [B, T-1]
-            current = (versions == current_version).float()  # [B, T-1]
-            mismatch = logprob_mismatch(logp.detach(), behaviour, mask * current)
+                ref = token_logprobs(ref_model, tokens, temperature, top_ps[step])
+        # Engine vs trainer on every minibatch, before its update. With the proximal pass the trainer's
+        # side is at the sampling weights (numerics alone); without it (the fp32 embedded engine, where
+        # the two agree to ~1e-6) minibatch k is scored k steps past them, so the figure also holds
+        # the round's own drift, which is what the ratio corrects there. Only tokens sampled by the
+        # parent policy count: a carried-over token's gap is staleness, not mismatch.
+        versions = aligned(batch.policy_versions, prompt_width, total, fill=-1)  # [B, T-1]
+        current = (versions == current_version).float()  # [B, T-1]
+        mismatch.append(logprob_mismatch(proximal[step] if proximal else logp.detach(), behaviour, mask * current))
         inputs = LossInputs(
             logp,
             behaviour,
@@ -152,6 +170,7 @@ def train_policy(model, pad_token_id: int, batches: list[TrainBatch], config: Tr
             mask,
             proximal[step] if proximal else None,
             ref,
+            batch.max_tokens,
         )
         out = policy_loss(inputs, settings)
         optimizer.zero_grad(set_to_none=True)
@@ -173,15 +192,16 @@ def train_policy(model, pad_token_id: int, batches: list[TrainBatch], config: Tr
         lags.extend(step + (current_version - v) * len(batches) for versions in batch.policy_versions for v in versions)
         if progress and (step + 1) % 8 == 0:
             progress(f"train: step {step + 1}/{len(batches)} loss {out.loss.item():.4f}")
-    model.eval()
     stats = {f"train/{k}": statistics.fmean(v) for k, v in history.items() if v}
+    pooled = pooled_mismatch(mismatch)
     stats.update(
         {
             "train/steps": len(batches),
             "train/samples": sum(len(b.advantages) for b in batches),
-            "train/mismatch_mean_abs": mismatch.get("mean_abs", 0.0),
-            "train/mismatch_max_abs": mismatch.get("max_abs", 0.0),
-            "train/mismatch_kl": mismatch.get("kl", 0.0),
+            "train/mismatch_mean_abs": pooled["mean_abs"],
+            "train/mismatch_max_abs": pooled["max_abs"],
+            "train/mismatch_kl": pooled["kl"],
+            "train/mismatch_tokens": pooled["tokens"],
             "train/staleness_mean_steps": statistics.fmean(lags) if lags else 0.0,
             "train/staleness_max_steps": float(max(lags, default=0)),
             "train/recomputed_proximal": float(recompute),
@@ -214,27 +234,30 @@ TRAIN_COLUMNS = [
     "advantage",
     "token_policy_versions",
     "engine",
+    "sampling",
 ]
 
 
-def needs_proximal(setting: str, rollout_dtype: str, engines: list[dict], stale_tokens: bool = False) -> bool:
+def needs_proximal(
+    setting: str, rollout_dtype: str, engines: list[dict], top_ps: list[float] = (), stale_tokens: bool = False
+) -> bool:
     """Whether to recompute the trainer's logprobs at the sampling weights (enables truncated IS).
 
-    'auto' skips it only when every sample came from the embedded engine at float32, whose logprobs
-    match the trainer's to ~1e-6, and every token was sampled by the parent policy; any other engine
-    (vLLM: other kernels, batching) or precision needs it, and so do tokens of an older policy version
-    (carried-over partial rollouts): the PPO ratio is then taken against the parent policy and the
-    truncated importance weight corrects for the older behaviour policy.
+    'auto' skips it only when every sample came from the embedded engine at float32 without a nucleus
+    (top_p 1), whose logprobs match the trainer's to ~1e-6, and every token was sampled by the parent
+    policy. Any other engine (vLLM: other kernels, batching) or precision needs it; so does top_p < 1
+    (a 1e-6 difference in logits can move a token across the nucleus boundary, which changes the
+    renormaliser by that token's whole mass); and so do tokens of an older policy version (carried-over
+    partial rollouts): the PPO ratio is then taken against the parent policy and the truncated
+    importance weight corrects for the older behaviour policy.
     """
     if setting != "auto":
         return setting == "always"
-    return (
-        stale_tokens
-        or rollout_dtype != "float32"
-        or any(
-            (e or {}).get("name", "embedded") != "embedded" or (e or {}).get("dtype", "float32") != "float32"
-            for e in engines
-        )
+    if stale_tokens or rollout_dtype != "float32" or any(p < 1.0 for p in top_ps):
+        return True
+    return any(
+        (e or {}).get("name", "embedded") != "embedded" or (e or {}).get("dtype", "float32") != "float32"
+        for e in engines
     )
 
 
@@ -282,9 +305,18 @@ def run_train(
         )
     parent = checkpoints.local_copy(root, ctx.parent_checkpoint)
     model, tokenizer = load_policy(parent, dtype="float32")
-    ref_model = load_policy(parent, dtype="float32")[0] if config.kl_coef > 0 else None
-    stale = any(v != ctx.parent_policy_version for r in rows for v in r["token_policy_versions"])
-    recompute = needs_proximal(config.recompute_proximal, rollout_dtype, [r["engine"] for r in rows], stale)
+    base = checkpoints.base_checkpoint(root, ctx.parent_checkpoint)
+    ref_model = None
+    if config.kl_coef > 0:
+        reference = parent if config.kl_reference == "parent" else checkpoints.local_copy(root, base)
+        ref_model = load_policy(reference, dtype="float32")[0]
+    recompute = needs_proximal(
+        config.recompute_proximal,
+        rollout_dtype,
+        [r["engine"] for r in rows],
+        [float((r["sampling"] or {}).get("top_p") or 1.0) for r in rows],
+        stale_tokens=any(v != ctx.parent_policy_version for r in rows for v in r["token_policy_versions"]),
+    )
     batches = minibatches(rows, config.groups_per_step, config.steps_per_round)
     if progress is None:
         from tasks.report import report_progress as progress
@@ -307,6 +339,7 @@ def run_train(
         "round": ctx.round,
         "policy_version": ctx.round,
         "parent_checkpoint": ctx.parent_checkpoint,
+        "base_checkpoint": base,
         "parent_model_version": ctx.parent_model_version,
         "trajectory_version": manifest.version,
         "trajectory_uri": manifest.directory,

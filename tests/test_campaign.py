@@ -69,7 +69,8 @@ def test_registry_holds_every_round_with_lineage_and_evaluation(campaign):
     assert [v.tags["round"] for v in versions] == ["0", "1", "2"]
     for v in versions:
         assert all(v.tags.get(t) for t in LINEAGE_TAGS), v.tags
-        assert 0.0 <= float(v.tags["eval.accuracy"]) <= 1.0 and v.tags["eval.dtype"] == "float32"
+        assert 0.0 <= float(v.tags["eval.accuracy"]) <= 1.0
+        assert v.tags["eval.dtype"] == "bfloat16"  # served at bfloat16 by default
     assert versions[1].tags["parent_model_version"] == "it-policy/1"
     assert versions[2].tags["parent_model_version"] == "it-policy/2"
     assert versions[2].tags["trajectory_version"] == result["rounds"][2]["trajectory_version"]

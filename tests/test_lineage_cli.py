@@ -36,7 +36,7 @@ def test_lineage_of_a_three_round_campaign_lists_every_round_and_the_base(tiny_c
     assert [s["parent_model_version"] for s in steps] == ["tiny-policy/3", "tiny-policy/2", "tiny-policy/1", "none"]
     for step in steps:
         assert all(step[f] and step[f] not in ("none", "unknown") for f in FIELDS), step
-        assert 0.0 <= float(step["evaluation"]["accuracy"]) <= 1.0 and step["evaluation"]["dtype"] == "float32"
+        assert 0.0 <= float(step["evaluation"]["accuracy"]) <= 1.0 and step["evaluation"]["dtype"] == "bfloat16"
     for step, k in zip(steps[:3], (3, 2, 1)):
         assert step["kind"] == "round" and step["trajectory_version"] == rounds[k]["trajectory_version"]
         origin = step["derivation"][0]

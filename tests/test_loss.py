@@ -68,3 +68,30 @@ def test_mismatch_by_hand():
     assert m["mean_abs"] == pytest.approx(0.25) and m["max_abs"] == pytest.approx(0.5)
     # k3 for delta 0.5: e^0.5 - 0.5 - 1 = 0.148721; mean over 2 tokens
     assert m["kl"] == pytest.approx((math.exp(0.5) - 1.5) / 2, rel=1e-5)
+
+
+def test_dr_grpo_aggregation_divides_by_a_constant():
+    per_token = torch.tensor([[1.0, 3.0], [5.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    # sum over real tokens 1+3+5 = 9; 2 samples x max_tokens 4 = 8 -> 1.125, whatever the lengths
+    assert float(aggregate(per_token, mask, "dr_grpo", max_tokens=4)) == pytest.approx(1.125)
+    # a longer limit only rescales: 9 / (2 x 6) = 0.75
+    assert float(aggregate(per_token, mask, "dr_grpo", max_tokens=6)) == pytest.approx(0.75)
+    with pytest.raises(ValueError, match="max_tokens"):
+        aggregate(per_token, mask, "dr_grpo")
+
+
+def test_dr_grpo_policy_loss_by_hand():
+    # on-policy (ratio 1): per-token loss = -A. Sample 1 (A=1) has 2 tokens, sample 2 (A=-0.5) has 1.
+    # token mean: -(1 + 1 - 0.5)/3 = -0.5; sequence: -(1 - 0.5)/2 = -0.25; dr_grpo, limit 4: -(1.5)/(2*4) = -0.1875
+    x = _inputs([[-1.0, -2.0], [-0.5, 0.0]], [[-1.0, -2.0], [-0.5, 0.0]], [1.0, -0.5], [[1, 1], [1, 0]])
+    x.max_tokens = 4
+    assert float(policy_loss(x, LossSettings(aggregation="token")).loss) == pytest.approx(-0.5)
+    assert float(policy_loss(x, LossSettings(aggregation="sequence")).loss) == pytest.approx(-0.25)
+    assert float(policy_loss(x, LossSettings(aggregation="dr_grpo")).loss) == pytest.approx(-0.1875)
+
+
+def test_train_config_offers_dr_grpo():
+    from tasks.train import TrainConfig
+
+    assert TrainConfig(aggregation="dr_grpo").loss_settings().aggregation == "dr_grpo"

@@ -26,9 +26,9 @@ def test_deployments_point_at_flows():
         assert deployment["work_pool"]["name"] == "rlrounds"
 
 
-def test_replay_and_refilter_deployments_take_pydantic_requests():
+def test_replay_refilter_and_reverify_deployments_take_pydantic_requests():
     deployments = {d["name"]: d for d in _spec()["deployments"]}
-    for name, flow_name in (("replay", "rl-replay"), ("refilter", "rl-refilter")):
+    for name, flow_name in (("replay", "rl-replay"), ("refilter", "rl-refilter"), ("reverify", "rl-reverify")):
         flow = _flow(deployments[name])
         assert flow.name == flow_name
         request = inspect.signature(flow.fn).parameters["request"].annotation

@@ -137,3 +137,46 @@ def test_every_gsm_mini_reference_verifies_against_itself(math_verifier: MathVer
         for completion in (f"#### {ref}", f"\\boxed{{{ref}}}"):
             verdict = run_verifier(math_verifier, completion, ref)
             assert verdict.outcome is S, (completion, ref, verdict)
+
+
+def test_a_deadline_that_repeats_for_the_same_answer_is_the_models_failure() -> None:
+    # The power tower hangs SymPy every time: the first expiry could be a loaded machine (infra, so the
+    # pool retries); the retry expiring too shows it is the answer, which earns reward 0.
+    verifier = MathVerifier(timeout_s=1.0)
+    try:
+        first = run_verifier(verifier, "\\boxed{9^{9^{9^{9}}}}", "1")
+        again = run_verifier(verifier, "\\boxed{9^{9^{9^{9}}}}", "1")
+        assert first.outcome is I and first.reward is None
+        assert again.outcome is F and again.reward == 0.0 and "two attempts" in again.error
+        # another sample's first expiry is still the environment's
+        assert run_verifier(verifier, "\\boxed{9^{9^{9^{8}}}}", "1").outcome is I
+    finally:
+        verifier.close()
+
+
+def test_in_the_pool_a_repeated_deadline_is_a_model_failure_and_a_one_off_is_not() -> None:
+    class SlowOnce(MathVerifier):
+        """A machine so loaded that the first call of each sample misses a tiny deadline, once."""
+
+        seen: set = set()
+
+        def __call__(self, completion_text, reference):
+            first = (completion_text, reference) not in self.seen
+            self.seen.add((completion_text, reference))
+            self.timeout_s = 1e-9 if first else 5.0  # expired before the reply can be read
+            return super().__call__(completion_text, reference)
+
+    hanging, one_off = MathVerifier(timeout_s=1.0), SlowOnce(timeout_s=5.0)
+    try:
+        with VerifierPool(hanging, workers=1, retries=2, retry_budget=10) as pool:
+            verdict = pool.submit("\\boxed{9^{9^{9^{9}}}}", "1").result()
+        assert verdict.outcome is F and verdict.attempts == 2  # blamed on the answer at the repeat
+        with VerifierPool(one_off, workers=1, retries=2, retry_budget=10) as pool:
+            verdict = pool.submit("#### 7", "7").result()
+        assert verdict.outcome is S and verdict.attempts == 2  # the one-off was infra, and recovered
+        with VerifierPool(SlowOnce(timeout_s=5.0), workers=1, retries=0, retry_budget=0) as pool:
+            verdict = pool.submit("#### 8", "8").result()
+        assert verdict.outcome is I  # a one-off deadline with no retry left stays the environment's
+    finally:
+        hanging.close()
+        one_off.close()

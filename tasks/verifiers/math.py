@@ -7,7 +7,10 @@ symbolic equality); this module only decides what each result means for the grad
   references are numbers, plain fractions, or LaTeX ("\\sqrt{2}", "$x+1$"); words never parse;
 - the completion has no parseable answer -> model_failure, reward 0.0;
 - equal / not equal                      -> success 1.0 / model_failure 0.0;
-- the verifier's own deadline expires    -> VerifierInfraError.
+- the verifier's own deadline expires    -> VerifierInfraError the first time (a loaded machine, a slow
+  worker start: the environment's doing, so the pool retries it); when it expires again for the same
+  completion and reference, the answer is what makes SymPy hang (``9^{9^{9^9}}``): model_failure,
+  reward 0.0, so a policy is penalised for such answers instead of spending the round's retry budget.
 
 Why a worker process: math-verify's timeouts are SIGALRM-based. Off the main thread they raise
 ValueError, and even on the main thread an expired timeout is swallowed into "no answer" or
@@ -20,6 +23,7 @@ A worker is reused across samples, so SymPy is imported once per worker, not onc
 from __future__ import annotations
 
 import atexit
+import hashlib
 import json
 import os
 import select
@@ -27,12 +31,15 @@ import subprocess
 import sys
 import threading
 import time
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 from tasks.verifiers.outcome import Outcome, Verdict, VerifierInfraError
 
-VERSION = "1"  # bump when the parsing or comparison rules change; recorded with every reward
+VERSION = "2"  # bump when the parsing or comparison rules change; recorded with every reward
+
+_TIMED_OUT_MEMORY = 100_000  # samples remembered as having timed out once (oldest forgotten first)
 
 # The worker's reply statuses.
 EQUAL, NOT_EQUAL, NO_ANSWER, BAD_REFERENCE = "equal", "not_equal", "no_answer", "bad_reference"
@@ -108,6 +115,10 @@ class _WorkerGone(Exception):
     pass
 
 
+class _DeadlinePassed(_WorkerGone):
+    pass
+
+
 class _Worker:
     """One math-verify process, used by one verifier thread at a time."""
 
@@ -151,7 +162,7 @@ class _Worker:
         while b"\n" not in self._pending:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise _WorkerGone("deadline passed")
+                raise _DeadlinePassed("deadline passed")
             readable, _, _ = select.select([fd], [], [], remaining)
             if readable:
                 chunk = os.read(fd, 1 << 16)
@@ -184,20 +195,44 @@ class MathVerifier:
         self.startup_timeout_s = startup_timeout_s
         self._idle: list[_Worker] = []
         self._lock = threading.Lock()
+        self._timed_out: OrderedDict[str, None] = OrderedDict()  # samples whose deadline expired once
 
     def __call__(self, completion_text: str, reference: str) -> Verdict:
         worker = self._checkout()
         try:
             reply = worker.ask({"completion": completion_text, "reference": reference}, self.timeout_s)
+        except _DeadlinePassed:
+            worker.kill()
+            if self._timed_out_before(completion_text, reference):
+                return Verdict(
+                    0.0,
+                    Outcome.MODEL_FAILURE,
+                    f"the answer kept math-verify busy past its {self.timeout_s}s deadline on two attempts",
+                )
+            raise VerifierInfraError(
+                f"math verifier gave no answer within {self.timeout_s}s (first time for this sample: retried "
+                "before it is blamed on the answer)"
+            ) from None
         except _WorkerGone as exc:
             worker.kill()
-            raise VerifierInfraError(f"math verifier gave no answer within {self.timeout_s}s: {exc}") from None
+            raise VerifierInfraError(f"math verifier gave no answer: {exc}") from None
         except BaseException:
             worker.kill()
             raise
         with self._lock:
             self._idle.append(worker)
         return verdict_from_reply(reply)
+
+    def _timed_out_before(self, completion_text: str, reference: str) -> bool:
+        """Whether this sample's deadline expired before; records that it has now."""
+        key = hashlib.sha256(json.dumps([completion_text, reference]).encode()).hexdigest()
+        with self._lock:
+            if key in self._timed_out:
+                return True
+            self._timed_out[key] = None
+            if len(self._timed_out) > _TIMED_OUT_MEMORY:
+                self._timed_out.popitem(last=False)
+            return False
 
     def _checkout(self) -> _Worker:
         with self._lock:

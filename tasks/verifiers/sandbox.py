@@ -1,9 +1,22 @@
-"""Sandboxed Python verifier: run a completion's code, then the task's tests, in a contained process.
+"""Sandboxed Python verifier: run a completion's code, then the task's tests, in a contained sandbox.
 
-The reference is the tests (Python with asserts), run after the completion's code in one namespace.
-Tests that finish -> success 1.0. Anything the model's code does wrong -> model_failure 0.0: an
-exception, a failed assert, exiting before the tests finish, a timeout, or a resource limit.
-The sandbox failing to start -> VerifierInfraError, so it never becomes a zero reward.
+The reference is the tests (Python with asserts). Tests that finish -> success 1.0. Anything the
+model's code does wrong -> model_failure 0.0: an exception, a failed assert, exiting before the tests
+finish, a timeout, or a resource limit. The sandbox failing to start -> VerifierInfraError, so it
+never becomes a zero reward.
+
+The contract between solution and tests (what makes a pass mean "solved", not "fooled the tests"):
+- the solution runs in a process of its own; the tests run in another, which the solution's code
+  cannot reach (not dumpable: no ptrace, no /proc access to its memory or file descriptors), and only
+  that process holds the pass signal;
+- the tests see the names the solution defines at top level: each function (anything callable) as a
+  remote call, each plain-valued global as its value. Arguments and results cross as Python
+  literals: None, bool, int, float, complex, str, bytes, and tuples, lists, sets and dicts of them,
+  of those types exactly. A result of any other type (a subclass, an object whose ``__eq__`` always
+  answers True) fails the call, so the tests only ever compare plain values they parsed themselves;
+- an exception the solution raises reaches the tests under its builtin type (ValueError, ...), any
+  other as RuntimeError; a mutated argument is not seen by the tests (it is a copy).
+Tests written for that contract: call the solution's functions with literals, compare the results.
 
 Containment (Linux; the verifier must run as root, as sessions and CI do):
 - a private uid per run (random, high, unused), so RLIMIT_NPROC counts this sample's processes
@@ -19,9 +32,10 @@ Containment (Linux; the verifier must run as root, as sessions and CI do):
   and an output cap enforced here; an empty environment; ``python -I -S`` (stdlib only).
 
 Setup runs in ``_bootstrap`` (root, a fresh interpreter), which forks the sandboxed init; that
-execs ``_runner``, which loads the task and runs the model's code. Their progress comes back on
-pipes the model cannot forge: "R" on a close-on-exec status pipe means setup finished; "S" on the
-result pipe means the interpreter started (before any model code); a per-run nonce after the tests.
+execs ``_runner``, which loads the task, starts ``_solution_server`` (a fresh interpreter running the
+model's code) and runs the tests. Their progress comes back on pipes the model cannot forge: "R" on a
+close-on-exec status pipe means setup finished; "S" on the result pipe means the interpreter started
+(before any model code); a per-run nonce, known to the tests' process only, after the tests.
 """
 
 from __future__ import annotations
@@ -46,7 +60,7 @@ from pydantic import ConfigDict, ValidationInfo, field_validator
 from tasks.config_base import Config
 from tasks.verifiers.outcome import Outcome, Verdict, VerifierInfraError
 
-VERSION = "1"  # bump when isolation or classification changes; recorded with every reward
+VERSION = "2"  # bump when isolation or classification changes; recorded with every reward
 SANDBOX_UIDS = range(1_500_000_000, 1_600_000_000)  # per-run uids and gids; nothing else uses them
 
 
@@ -185,7 +199,7 @@ def run_sandboxed(solution: str, tests: str, limits: SandboxLimits) -> SandboxRu
     workdir = tempfile.mkdtemp(prefix="rlrounds-sandbox-")
     try:
         with open(os.path.join(workdir, "task.json"), "w") as task:  # root-only until the bootstrap moves it
-            json.dump({"solution": solution, "tests": tests, "nonce": nonce}, task)
+            json.dump({"solution": solution, "tests": tests, "nonce": nonce, "server": _source(_solution_server)}, task)
         status_r, status_w = os.pipe()
         result_r, result_w = os.pipe()
         config = {
@@ -434,9 +448,18 @@ def _bootstrap() -> None:
 
 
 def _runner() -> None:
-    """The sandboxed interpreter's first code: load the task, then run the model's code and the tests."""
+    """The sandboxed interpreter's first code, pid 1: load the task, start the solution in a process of
+    its own, then run the tests here, calling the solution's functions over a pipe.
+
+    The model's code never runs in this process: it cannot reach the tests, their namespace, the
+    nonce or the result pipe, and what comes back from it is parsed as a Python literal, so only
+    plain values (no object with its own ``__eq__``) are ever compared by the tests."""
+    import ast
+    import builtins
+    import ctypes
     import json
     import os
+    import signal
     import sys
 
     result = int(sys.argv[1])
@@ -444,9 +467,134 @@ def _runner() -> None:
         task = json.loads(f.read())
     os.unlink("task.json")
     os.write(result, b"S")  # the model's code runs after this: nothing it does can unsay it
+    # Not dumpable: a process of the same uid can neither ptrace this one nor open its /proc entries
+    # (its memory, its file descriptors), so the solution's process cannot reach the result pipe.
+    if ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
+    calls_r, calls_w = os.pipe()
+    replies_r, replies_w = os.pipe()
+    child = os.fork()
+    if child == 0:  # a fresh interpreter, so not even this process's memory (the nonce) is inherited
+        os.close(result)
+        os.close(calls_w)
+        os.close(replies_r)
+        os.set_inheritable(calls_r, True)
+        os.set_inheritable(replies_w, True)
+        os.execv(sys.executable, [sys.executable, "-I", "-S", "-c", task["server"], str(calls_r), str(replies_w)])
+    os.close(calls_r)
+    os.close(replies_w)
+    calls = os.fdopen(calls_w, "w")
+    replies = os.fdopen(replies_r, "r")
+
+    class SolutionGone(Exception):
+        pass
+
+    def gone() -> SolutionGone:
+        _, status = os.waitpid(child, 0)
+        code = os.waitstatus_to_exitcode(status)
+        if code >= 0:
+            how = f"exited with {code}"
+        else:
+            how = f"was killed by {signal.Signals(-code).name} (a limit, or its own doing)"
+        return SolutionGone(f"the solution's process {how} before the tests finished")
+
+    def ask(message: object) -> object:
+        try:
+            calls.write(repr(message) + "\n")
+            calls.flush()
+        except OSError:
+            raise gone() from None
+        line = replies.readline()
+        if not line:
+            raise gone()
+        status, _, payload = line.partition(" ")
+        try:
+            value = ast.literal_eval(payload)  # a literal or nothing: never an object the solution made
+        except (ValueError, SyntaxError, RecursionError, MemoryError):
+            raise TypeError("the solution answered with something that is not a plain value") from None
+        if status == "ok":
+            return value
+        kind, text = value if isinstance(value, tuple) and len(value) == 2 else ("Exception", repr(value))
+        if kind == "SystemExit":
+            raise SolutionGone(f"the solution exited before the tests finished (SystemExit {text})")
+        error = getattr(builtins, str(kind), None)
+        if isinstance(error, type) and issubclass(error, Exception) and not issubclass(error, SolutionGone):
+            raise error(text)  # tests may expect e.g. ValueError from the solution
+        raise RuntimeError(f"{kind}: {text}")
+
+    def remote(name: str):
+        def call(*args, **kwargs):
+            return ask(("call", name, args, kwargs))
+        call.__name__ = name
+        return call
+
+    ask(("load", task.pop("solution")))
     namespace = {"__name__": "__main__", "__builtins__": __builtins__}
-    exec(compile(task.pop("solution"), "solution.py", "exec"), namespace)
+    for name, (kind, value) in ask(("names",)).items():
+        namespace[name] = remote(name) if kind == "call" else value
     exec(compile(task.pop("tests"), "tests.py", "exec"), namespace)
-    # Exiting early (sys.exit(0)) never reaches this. The nonce is in this frame, so code that goes
-    # looking (sys._getframe(1)) could forge a pass: it stops early exits, not an adversary.
     os.write(result, task["nonce"].encode())
+
+
+def _solution_server() -> None:
+    """The solution's process: run the model's code, then answer the tests' calls of its functions.
+
+    Requests and replies are one Python literal per line. A result is sent only if it is a plain
+    value of builtin types exactly (no subclass, nothing with its own ``__eq__``); an exception is sent
+    as its type's name and message. Whatever this process does, the tests parse only literals."""
+    import ast
+    import os
+    import sys
+
+    calls = os.fdopen(int(sys.argv[1]), "r")
+    replies = os.fdopen(int(sys.argv[2]), "w")
+    scalars = (type(None), bool, int, float, complex, str, bytes)
+
+    def plain(value, depth=0):
+        kind = type(value)
+        if depth > 100:
+            raise TypeError("the value is nested more than 100 deep")
+        if kind in scalars:
+            if kind in (float, complex) and value != value or repr(value) in ("inf", "-inf"):
+                raise TypeError(f"{value!r} has no literal form")
+            return value
+        if kind in (list, tuple, set, frozenset):
+            for item in value:
+                plain(item, depth + 1)
+            return value
+        if kind is dict:
+            for key, item in value.items():
+                plain(key, depth + 1)
+                plain(item, depth + 1)
+            return value
+        raise TypeError(f"a {kind.__name__} is not a plain value (None, bool, int, float, complex, str, bytes, "
+                        "or tuples, lists, sets and dicts of them)")
+
+    def reply(status, payload):
+        replies.write(f"{status} {payload!r}\n")
+        replies.flush()
+
+    namespace = {"__name__": "__main__", "__builtins__": __builtins__}
+    for line in calls:
+        request = ast.literal_eval(line)
+        try:
+            if request[0] == "load":
+                exec(compile(request[1], "solution.py", "exec"), namespace)
+                reply("ok", None)
+            elif request[0] == "names":
+                names = {}
+                for name, value in list(namespace.items()):
+                    if name.startswith("__"):
+                        continue
+                    if callable(value):
+                        names[name] = ("call", None)
+                    else:
+                        try:
+                            names[name] = ("value", plain(value))
+                        except (TypeError, RecursionError):
+                            pass  # modules, objects: out of the tests' reach
+                reply("ok", names)
+            else:
+                reply("ok", plain(namespace[request[1]](*request[2], **request[3])))
+        except BaseException as exc:  # noqa: BLE001 -- SystemExit too: the tests decide what it means
+            reply("err", (type(exc).__name__, str(exc)[:2000]))

@@ -29,6 +29,8 @@ def _quiet_libraries(debug: bool) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
+    # mlflow sets its own loggers' level when it is imported (after this), from this variable
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "DEBUG" if debug else "WARNING")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("DO_NOT_TRACK", "1")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")

@@ -302,6 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    _quiet_libraries(args.debug)
+    _setup_logging()
     from flows.orphans import mark_this_process, reap_orphans
 
     reaped = reap_orphans()  # left by campaigns killed before they could stop their children
@@ -309,8 +311,6 @@ def main(argv: list[str] | None = None) -> int:
         pids = ", ".join(map(str, reaped))
         print(f"rlrounds: stopped {len(reaped)} process(es) left by a killed rlrounds (pids {pids})", file=sys.stderr)
     mark_this_process()
-    _quiet_libraries(args.debug)
-    _setup_logging()
     if args.debug:
         return args.func(args)
     try:

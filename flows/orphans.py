@@ -38,13 +38,18 @@ def _owner_of(pid: int) -> tuple[int, str] | None:
 
 
 def orphans() -> list[int]:
-    """Processes marked by an ``rlrounds`` process that no longer runs."""
+    """This user's processes marked by an ``rlrounds`` process that no longer runs."""
     if not os.path.isdir("/proc"):
         return []
-    me = os.getpid()
+    me, uid = os.getpid(), os.getuid()
     found = []
     for name in os.listdir("/proc"):
         if not name.isdigit() or int(name) == me:
+            continue
+        try:
+            if os.stat(f"/proc/{name}").st_uid != uid:  # another user's processes are theirs to manage
+                continue
+        except OSError:
             continue
         owner = _owner_of(int(name))
         if owner is None or owner[0] == me:

@@ -102,9 +102,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     storage = args.storage or _settings_storage()
     try:
         if args.resume:
-            config = _resume_config(args.resume, args.config, args.rounds, storage)
+            config = _resume_config(args.resume, args.config, args.rounds, storage, args.preset)
         else:
-            config = load_campaign_config(args.config, rounds=args.rounds, run_id=args.run_id)
+            config = load_campaign_config(args.config, args.preset, rounds=args.rounds, run_id=args.run_id)
         config = _with_rollout(config, replicas=args.replicas, ray_address=args.ray_address)
     except ConfigError as exc:
         raise UserError(str(exc)) from None
@@ -127,16 +127,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _resume_config(run_id: str, path: str | None, rounds: int | None, storage: str):
-    """The config to resume with: the stored one, or --config (which the flow checks against it)."""
+def _resume_config(run_id: str, path: str | None, rounds: int | None, storage: str, preset: str | None = None):
+    """The config to resume with: the stored one, or --preset/--config (which the flow checks against it)."""
     from pydantic import ValidationError
 
     from flows.config import CampaignConfig, ConfigError, describe_validation_error, load_campaign_config
     from storage.campaigns import stored_config
     from storage.paths import StorageRoot
 
-    if path:
-        return load_campaign_config(path, rounds=rounds, run_id=run_id)
+    if path or preset:
+        return load_campaign_config(path, preset, rounds=rounds, run_id=run_id)
     data = {**stored_config(StorageRoot.of(storage), run_id), "run_id": run_id}
     if rounds is not None:
         data["rounds"] = rounds
@@ -220,9 +220,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    from flows.config import CampaignConfig, commented_yaml
+    from flows.config import ConfigError, commented_yaml, load_campaign_config
 
-    print(commented_yaml(CampaignConfig()), end="")
+    try:
+        config = load_campaign_config(None, args.preset)
+    except ConfigError as exc:
+        raise UserError(str(exc)) from None
+    print(commented_yaml(config), end="")
     return 0
 
 
@@ -235,7 +239,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="run a campaign of RL rounds")
     run.add_argument("--rounds", type=int, help=f"number of rounds (default: the config's, {DEFAULT_ROUNDS})")
-    run.add_argument("--config", help="YAML or JSON campaign config (see `rlrounds config`)")
+    run.add_argument(
+        "--config", help="YAML or JSON campaign config (see `rlrounds config`); with --preset, laid over the preset"
+    )
+    run.add_argument(
+        "--preset",
+        help="start from a config shipped with rlrounds, e.g. long-tail (see `rlrounds config --preset NAME`)",
+    )
     run.add_argument(
         "--storage",
         help="storage root: a directory or s3://bucket/prefix (default $RLROUNDS_STORAGE or ./rlrounds-data)",
@@ -278,7 +288,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     evaluate.set_defaults(func=cmd_eval)
 
-    config = sub.add_parser("config", help="print the default campaign config as YAML, each field's help as a comment")
+    config = sub.add_parser(
+        "config", help="print the default campaign config (or a preset's) as YAML, each field's help as a comment"
+    )
+    config.add_argument("--preset", help="print this preset's full config instead, e.g. long-tail")
     config.set_defaults(func=cmd_config)
     add_commands(sub)  # trajectories, refilter, replay, lineage, gc (flows/cli_data.py)
     return parser

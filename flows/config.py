@@ -35,16 +35,18 @@ class PolicyConfig(Config):
     """The policy a campaign starts from."""
 
     base_model: str = BUILTIN_BASE
-    """'builtin' (the tiny addition Llama, built on first use and cached under the storage root) or a
-    local Hugging Face causal-LM directory."""
+    """'builtin' (the tiny addition Llama, built on first use and cached under the storage root),
+    'builtin-longtail' (the same for the long-tailed count-down task) or a local Hugging Face causal-LM directory."""
 
     @field_validator("base_model")
     @classmethod
     def _exists(cls, v: str) -> str:
-        if v != BUILTIN_BASE and "://" not in v and not os.path.isdir(v):
+        from models.builtin import BUILTINS
+
+        if v not in BUILTINS and "://" not in v and not os.path.isdir(v):
             raise ValueError(
-                f"base model directory {v!r} does not exist; set policy.base_model to 'builtin' or a Hugging Face "
-                "causal-LM directory"
+                f"base model directory {v!r} does not exist; set policy.base_model to "
+                f"{' or '.join(map(repr, BUILTINS))} or a Hugging Face causal-LM directory"
             )
         return v
 
@@ -100,6 +102,18 @@ class RoundConfig(Config):
             )
         return self
 
+    @model_validator(mode="after")
+    def _builtin_base_fits_prompts(self) -> RoundConfig:
+        from models.builtin import BUILTIN_SOURCES, BUILTINS
+
+        base, task = BUILTINS.get(self.policy.base_model), BUILTIN_SOURCES.get(self.prompts.source)
+        if base and task and base is not task:  # a built-in tokenizer knows only its own task's characters
+            raise ValueError(
+                f"policy.base_model {base.base_model!r} cannot read prompts of {task.source!r}; "
+                f"set policy.base_model to {task.base_model!r}"
+            )
+        return self
+
 
 class CampaignConfig(Config):
     """A campaign: rounds that each start from the previous round's checkpoint."""
@@ -131,8 +145,9 @@ class CampaignConfig(Config):
         return v
 
 
-def load_campaign_config(path: str | None, **overrides) -> CampaignConfig:
-    """Read a YAML/JSON config file (or none) and apply CLI overrides; errors name the field and the fix."""
+def load_campaign_config(path: str | None, preset: str | None = None, **overrides) -> CampaignConfig:
+    """Read a preset and a YAML/JSON config file (either, both or none; the file is laid over the preset,
+    flows/presets.py) and apply CLI overrides; errors name the field and the fix."""
     data: dict = {}
     if path:
         if not os.path.exists(path):
@@ -155,6 +170,13 @@ def load_campaign_config(path: str | None, **overrides) -> CampaignConfig:
             raise ConfigError(
                 f"config file {path} must hold a mapping of fields (rounds, round: {{...}}), not {type(data).__name__}"
             )
+    if preset:
+        from flows.presets import PresetError, load_preset, overlay
+
+        try:
+            data = overlay(load_preset(preset), data)
+        except PresetError as exc:
+            raise ConfigError(str(exc)) from None
     for key, value in overrides.items():
         if value is not None:
             data[key] = value

@@ -25,6 +25,7 @@ from flows.tasks import (
 )
 from tasks.context import RoundContext
 from tasks.results import StageResult, Stats
+from tasks.rollout import carry_source
 
 
 class RoundResult(StageResult):
@@ -71,13 +72,17 @@ def rl_round(config: RoundConfig, storage: str, run_id: str, round_index: int, e
     stage = Stages(ctx)  # each stage runs once per (run, round, inputs); a resumed round skips the recorded ones
     clock.lap("open")
 
-    # rollout + verify: each sample is scored as it finishes, until the trainable batch is full
+    # rollout + verify: each sample is scored as it finishes, until the trainable batch is full; the previous
+    # round's carry-over (samples it stopped or had not verified) is resumed first
     rollout = stage.run("rollout", rollout_task, ctx=ctx, prompts=config.prompts, rollout=config.rollout,
-                        verify=config.verify_resolved, filtering=config.filter, target_groups=config.target_groups)
+                        verify=config.verify_resolved, filtering=config.filter, target_groups=config.target_groups,
+                        carry_from=carry_source(storage, run_id, round_index))
     clock.lap("rollout")
-    # filter + store: advantages and drop decisions, committed as this round's trajectory version
+    # filter + store: advantages and drop decisions, committed as this round's trajectory version together
+    # with this round's own carry-over
     trajectories = stage.run("filter", filter_task, ctx=ctx, staging=rollout.staging, config=config.filter,
-                             target_groups=config.target_groups, rollout_stats=rollout.stats)
+                             target_groups=config.target_groups, rollout_stats=rollout.stats,
+                             carryover=rollout.carryover)
     clock.lap("filter")
     trained = stage.run("train", train_task, ctx=ctx, trajectory_uri=trajectories.uri, config=config.train,
                         temperature=config.rollout.temperature, rollout_dtype=config.rollout.dtype)

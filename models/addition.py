@@ -8,6 +8,7 @@ the task is.
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 TASK_NAME = "addition"
@@ -49,3 +50,16 @@ def training_prompts(seed: int, count: int) -> list[Prompt]:
     pairs = training_pairs()
     rng = random.Random(seed)
     return [make_prompt(*pairs[rng.randrange(len(pairs))]) for _ in range(count)]
+
+
+def prompt_stream(seed: int) -> Iterator[Prompt]:
+    """Endless uniform draws (with replacement) from the training pairs."""
+    pairs = training_pairs()
+    rng = random.Random(seed)
+    while True:
+        yield make_prompt(*pairs[rng.randrange(len(pairs))])
+
+
+def longest_prompt() -> Prompt:
+    """The prompt with the most tokens any stream can draw (for context checks)."""
+    return make_prompt(MAX_OPERAND, MAX_OPERAND)

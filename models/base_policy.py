@@ -1,8 +1,9 @@
-"""The built-in base policy: a tiny Llama trained from scratch on addition, stopped early on purpose.
+"""The built-in base policies: tiny Llamas trained from scratch on a built-in task, stopped early on purpose.
 
 A deterministic recipe (fixed seeds, fixed thread count, fixed data order) so that every machine
 builds the same starting point, and RL has headroom: the recipe stops at roughly 40% greedy held-out
-accuracy. ``python -m models.base_policy OUT_DIR`` builds one by hand.
+accuracy. Which task and recipe: ``models.builtin``. ``python -m models.base_policy OUT_DIR [BASE]``
+builds one by hand (BASE: 'builtin', the default, or 'builtin-longtail').
 """
 
 from __future__ import annotations
@@ -11,27 +12,15 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
+from typing import TYPE_CHECKING
 
-from models import addition
+from models.recipe import RECIPE_VERSION as RECIPE_VERSION  # re-exported: the addition base's cache name uses it
+from models.recipe import BaseRecipe
 from models.tokenizer import build_char_tokenizer
 
-RECIPE_VERSION = "2"
-
-
-@dataclass(frozen=True)
-class BaseRecipe:
-    hidden_size: int = 128
-    num_layers: int = 3
-    intermediate_size: int = 384
-    num_heads: int = 4
-    max_steps: int = 1500
-    check_every: int = 25
-    stop_at_accuracy: float = 0.35  # validation accuracy at which training stops (RL needs headroom)
-    batch_size: int = 128
-    learning_rate: float = 1e-3
-    seed: int = 0
-    threads: int = 2  # float reductions split by thread count: fixing it makes every machine build the same policy
+if TYPE_CHECKING:
+    from models.builtin import BuiltinTask
 
 
 def build_model(recipe: BaseRecipe, vocab_size: int, tokenizer):
@@ -44,7 +33,7 @@ def build_model(recipe: BaseRecipe, vocab_size: int, tokenizer):
         num_hidden_layers=recipe.num_layers,
         num_attention_heads=recipe.num_heads,
         num_key_value_heads=recipe.num_heads,
-        max_position_embeddings=64,
+        max_position_embeddings=recipe.max_position_embeddings,
         tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -53,67 +42,76 @@ def build_model(recipe: BaseRecipe, vocab_size: int, tokenizer):
     return LlamaForCausalLM(config)
 
 
-def build_base_policy(out_dir: str, recipe: BaseRecipe = BaseRecipe(), progress=None) -> dict:
-    """Train the base policy into ``out_dir`` (local). Returns its metadata (with held-out accuracy)."""
+def build_base_policy(
+    out_dir: str, recipe: BaseRecipe | None = None, progress=None, task: BuiltinTask | None = None
+) -> dict:
+    """Train the base policy of ``task`` (default: addition) into ``out_dir`` (local), with its own recipe
+    unless ``recipe`` is given. Returns its metadata (with held-out accuracy)."""
     import torch
 
+    from models.builtin import BUILTINS
+
+    task = task or BUILTINS["builtin"]
+    recipe = recipe or task.recipe
     start = time.perf_counter()
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(recipe.threads)
     try:
-        return _build(out_dir, recipe, progress, start)
+        return _build(out_dir, recipe, progress, start, task)
     finally:
         torch.set_num_threads(previous_threads)
 
 
-def _build(out_dir: str, recipe: BaseRecipe, progress, start: float) -> dict:
+def _build(out_dir: str, recipe: BaseRecipe, progress, start: float, task: BuiltinTask) -> dict:
     import torch
 
     from models.engine import EmbeddedEngine
-    from models.policy import pack_sequences, save_policy
+    from models.policy import save_policy
 
     torch.manual_seed(recipe.seed)
-    tokenizer = build_char_tokenizer()
+    tokenizer = build_char_tokenizer(task.characters)
     model = build_model(recipe, len(tokenizer), tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.learning_rate)
-    prompts = addition.training_prompts(seed=recipe.seed, count=recipe.max_steps * recipe.batch_size)
-    # Stopping is judged on training pairs (another seed), so the held-out set stays untouched.
-    validation = addition.training_prompts(seed=recipe.seed + 1, count=500)
+    prompts = task.data.training_prompts(seed=recipe.seed, count=recipe.max_steps * recipe.batch_size)
+    # Stopping is judged on training prompts (another seed), so the held-out set stays untouched.
+    validation = task.data.training_prompts(seed=recipe.seed + 1, count=500)
     engine = EmbeddedEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id)
     steps, val_accuracy = 0, 0.0
     for step in range(recipe.max_steps):
         model.train()
         chunk = prompts[step * recipe.batch_size : (step + 1) * recipe.batch_size]
-        enc_prompts = [tokenizer(p.text)["input_ids"] for p in chunk]
-        enc_answers = [
-            tokenizer(p.reference, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for p in chunk
-        ]
-        batch = pack_sequences(enc_prompts, enc_answers, tokenizer.pad_token_id)
-        positions = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=positions).logits
-        # Supervised loss on the answer tokens only: the prompt is given, never predicted.
-        nll = torch.nn.functional.cross_entropy(
-            logits[:, :-1].transpose(1, 2), batch.input_ids[:, 1:], reduction="none"
-        )
-        mask = batch.completion_mask.float()
-        loss = (nll * mask).sum() / mask.sum()
+        batches = [_answer_batch(tokenizer, part) for part in _by_length(chunk, recipe.length_buckets)]
+        answer_tokens = sum(b.completion_mask.sum() for b in batches)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        loss_value = 0.0
+        for batch in batches:
+            logits = _logits(model, batch)
+            # Supervised loss on the answer tokens only: the prompt is given, never predicted. Each
+            # bucket's tokens weigh as they would in one pass over the whole batch.
+            nll = torch.nn.functional.cross_entropy(
+                logits[:, :-1].transpose(1, 2), batch.input_ids[:, 1:], reduction="none"
+            )
+            loss = (nll * batch.completion_mask.float()).sum() / answer_tokens
+            loss.backward()
+            loss_value += loss.item()
         optimizer.step()
         steps = step + 1
         if steps % recipe.check_every == 0:
             model.eval()
-            val_accuracy = greedy_accuracy(engine, tokenizer, validation)
+            if recipe.teacher_forced_checks:
+                val_accuracy = teacher_forced_accuracy(model, tokenizer, validation, recipe.length_buckets)
+            else:
+                val_accuracy = greedy_accuracy(engine, tokenizer, validation, task.answer_tokens)
             if progress:
-                progress(f"base policy: step {steps} loss {loss.item():.3f} validation accuracy {val_accuracy:.1%}")
+                progress(f"base policy: step {steps} loss {loss_value:.3f} validation accuracy {val_accuracy:.1%}")
             if val_accuracy >= recipe.stop_at_accuracy:
                 break
     model.eval()
-    accuracy = greedy_accuracy(engine, tokenizer, addition.held_out_prompts())
+    accuracy = greedy_accuracy(engine, tokenizer, task.data.held_out_prompts(), task.answer_tokens)
     save_policy(model, tokenizer, out_dir)
     meta = {
-        "name": "builtin-addition-llama",
-        "recipe_version": RECIPE_VERSION,
+        "name": task.policy_name,
+        "recipe_version": task.recipe_version,
         "recipe": asdict(recipe),
         "parameters": sum(p.numel() for p in model.parameters()),
         "steps": steps,
@@ -126,16 +124,63 @@ def _build(out_dir: str, recipe: BaseRecipe, progress, start: float) -> dict:
     return meta
 
 
-def greedy_accuracy(engine, tokenizer, prompts) -> float:
-    """Greedy exact-match accuracy of ``engine`` on ``prompts`` (the addition verifier's rule)."""
+def _by_length(prompts: list, buckets: int) -> list[list]:
+    """``buckets`` runs of prompts of similar answer length (one run, in order, when ``buckets`` is 1)."""
+    if buckets == 1:
+        return [prompts]
+    ordered = sorted(prompts, key=lambda p: len(p.reference))
+    size = -(-len(ordered) // buckets)
+    return [ordered[i : i + size] for i in range(0, len(ordered), size)]
+
+
+def _answer_batch(tokenizer, prompts):
+    from models.policy import pack_sequences
+
+    enc_prompts = [tokenizer(p.text)["input_ids"] for p in prompts]
+    enc_answers = [
+        tokenizer(p.reference, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for p in prompts
+    ]
+    return pack_sequences(enc_prompts, enc_answers, tokenizer.pad_token_id)
+
+
+def _logits(model, batch):
+    positions = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
+    return model(
+        input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=positions
+    ).logits  # [B, T, V]
+
+
+def teacher_forced_accuracy(model, tokenizer, prompts, buckets: int = 1) -> float:
+    """Greedy exact-match accuracy without decoding: greedy decoding writes the reference and stops exactly
+    when, fed the reference, the argmax at every answer position (end-of-sequence included) is the next
+    reference token. One forward pass instead of up to ``answer_tokens`` decode steps, where wrong
+    samples would run on to the limit."""
+    import torch
+
+    correct = 0
+    with torch.inference_mode():
+        for part in _by_length(prompts, buckets):
+            batch = _answer_batch(tokenizer, part)
+            hits = _logits(model, batch)[:, :-1].argmax(-1) == batch.input_ids[:, 1:]  # [B, T-1]
+            correct += int((hits | ~batch.completion_mask.bool()).all(-1).sum())
+    return correct / len(prompts)
+
+
+def greedy_accuracy(engine, tokenizer, prompts, max_tokens: int = 8) -> float:
+    """Greedy exact-match accuracy of ``engine`` on ``prompts`` (the built-in verifiers' rule)."""
     from models.engine import greedy_completions
 
     correct = sum(
-        text.strip() == prompt.reference for prompt, text, _ in greedy_completions(engine, tokenizer, prompts, 8)
+        text.strip() == prompt.reference
+        for prompt, text, _ in greedy_completions(engine, tokenizer, prompts, max_tokens)
     )
     return correct / len(prompts)
 
 
 if __name__ == "__main__":
-    meta = build_base_policy(sys.argv[1], progress=print)
+    from models.builtin import BUILTINS
+
+    meta = build_base_policy(
+        sys.argv[1], progress=print, task=BUILTINS[sys.argv[2] if len(sys.argv) > 2 else "builtin"]
+    )
     print(json.dumps(meta, indent=2))

@@ -2,18 +2,29 @@
 
 The interface is what the rollout stage, the vLLM engine and Ray replicas share:
 
-    engine.generate(groups) -> Iterator[GeneratedSample]     # in finish order, not start order
-    engine.load_weights(checkpoint_dir, policy_version)      # in place, no restart
+    engine.generate(groups, should_stop) -> Iterator[GeneratedSample]   # in finish order, not start order
+    engine.load_weights(checkpoint_dir, policy_version)                 # in place, no restart
 
 ``EmbeddedEngine`` runs any Hugging Face causal LM with torch on the current process: a KV-cached
 decode loop that removes a sequence from the batch the moment it finishes (so the long tail does
 not keep finished rows computing) and admits waiting sequences into the freed slots.
+
+Partial rollouts. ``should_stop`` is polled once per decode step; when it answers True the engine
+stops pulling groups and yields every sample it still holds as a *partial* sample
+(``finish_reason='abort'``): its generated prefix with each token's behaviour logprob and policy
+version (an empty prefix for a sample never admitted). A later call continues it: a ``GroupRequest``
+whose ``resume`` holds partial samples generates only those, from prompt + prefix, and the tokens it
+appends carry the policy version served then. A stopped sample's KV cache is dropped, not kept: on
+resume the prompt + prefix is prefilled again (one parallel forward pass, far cheaper than the
+decode steps that produced the prefix), and the weights have usually changed by then anyway, which
+makes the old cache stale. Sampling noise is a function of (sample seed, token position, vocabulary
+index), so a resumed sample draws the same noise at each position it would have drawn uninterrupted.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -33,16 +44,6 @@ class SamplingParams:
         return {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed, "max_tokens": self.max_tokens}
 
 
-@dataclass(frozen=True)
-class GroupRequest:
-    """One prompt to be sampled ``n`` times; the unit the router keeps on one replica."""
-
-    group_id: str
-    prompt_token_ids: tuple[int, ...]
-    n: int
-    sampling: SamplingParams
-
-
 @dataclass
 class GeneratedSample:
     group_id: str
@@ -51,9 +52,59 @@ class GeneratedSample:
     token_ids: list[int]
     logprobs: list[float]  # behaviour logprobs of the sampled tokens under the sampling distribution
     token_policy_versions: list[int]
-    finish_reason: str  # stop | length | abort
-    started_at: float  # time.time() when its prefill began
-    finished_at: float
+    finish_reason: str  # stop | length | abort (abort: stopped unfinished; token_ids is the prefix to resume)
+    started_at: float  # time.time() when its first prefill began (the first segment, if it was resumed)
+    finished_at: float  # when it finished, or was stopped
+    gen_s: float = 0.0  # seconds spent generating, summed over its segments (excludes time parked between them)
+
+    @property
+    def partial(self) -> bool:
+        return self.finish_reason == ABORT
+
+
+ABORT = "abort"
+
+
+@dataclass(frozen=True)
+class GroupRequest:
+    """One prompt to be sampled ``n`` times; the unit the router keeps on one replica.
+
+    ``resume``: partial samples of this group to continue (each with ``finish_reason='abort'``); when
+    given, only these samples are generated, each from prompt + its prefix, up to ``max_tokens`` in all."""
+
+    group_id: str
+    prompt_token_ids: tuple[int, ...]
+    n: int
+    sampling: SamplingParams
+    resume: tuple[GeneratedSample, ...] = ()
+
+    def check(self) -> None:
+        if self.n < 1 or self.sampling.max_tokens < 1:
+            raise ValueError(f"group {self.group_id}: n and max_tokens must be >= 1")
+        for p in self.resume:
+            if p.group_id != self.group_id or not p.partial or not 0 <= p.sample_index < self.n:
+                raise ValueError(
+                    f"group {self.group_id}: resume holds sample {p.group_id}/{p.sample_index} "
+                    f"({p.finish_reason}); only this group's partial samples (finish_reason 'abort') resume"
+                )
+            if len(p.token_ids) >= self.sampling.max_tokens:
+                raise ValueError(
+                    f"group {self.group_id}: partial sample {p.sample_index} already has max_tokens tokens"
+                )
+
+    def sample_indices(self) -> list[int]:
+        return [p.sample_index for p in self.resume] if self.resume else list(range(self.n))
+
+    def prefix(self, sample_index: int) -> GeneratedSample | None:
+        return next((p for p in self.resume if p.sample_index == sample_index), None)
+
+
+def unstarted(group: GroupRequest, sample_index: int, now: float) -> GeneratedSample:
+    """The partial sample of one that was never admitted: an empty prefix (or its carried one)."""
+    carried = group.prefix(sample_index)
+    if carried is not None:
+        return carried
+    return GeneratedSample(group.group_id, sample_index, group.prompt_token_ids, [], [], [], ABORT, now, now, 0.0)
 
 
 @dataclass(frozen=True)
@@ -95,9 +146,36 @@ class _Sequence:
     sample_index: int
     seed: int
     started_at: float = 0.0
-    tokens: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # the generated prefix, carried tokens first
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    segment_at: float = 0.0  # when this segment's prefill began
+    gen_s: float = 0.0  # generation seconds of earlier segments
+
+    @classmethod
+    def of(cls, group: GroupRequest, sample_index: int) -> _Sequence:
+        seq = cls(group, sample_index, sample_seed(group.sampling.seed, group.group_id, sample_index))
+        carried = group.prefix(sample_index)
+        if carried is not None:
+            seq.started_at = carried.started_at
+            seq.tokens, seq.logprobs = list(carried.token_ids), list(carried.logprobs)
+            seq.versions, seq.gen_s = list(carried.token_policy_versions), carried.gen_s
+        return seq
+
+    def sample(self, reason: str, now: float) -> GeneratedSample:
+        gen_s = self.gen_s + (now - self.segment_at if self.segment_at else 0.0)
+        return GeneratedSample(
+            self.group.group_id,
+            self.sample_index,
+            self.group.prompt_token_ids,
+            self.tokens,
+            self.logprobs,
+            self.versions,
+            reason,
+            self.started_at or now,
+            now,
+            gen_s,
+        )
 
 
 class EmbeddedEngine:
@@ -131,9 +209,12 @@ class EmbeddedEngine:
 
     # -- decoding ------------------------------------------------------------------------------
 
-    def generate(self, groups: Iterable[GroupRequest]) -> Iterator[GeneratedSample]:
+    def generate(
+        self, groups: Iterable[GroupRequest], should_stop: Callable[[], bool] | None = None
+    ) -> Iterator[GeneratedSample]:
         """Groups are pulled from ``groups`` only when slots free up, so a caller can stop feeding
-        (its iterator ends) the moment it has enough, and in-flight groups still finish."""
+        (its iterator ends) the moment it has enough, and in-flight groups still finish; or stop
+        them too, through ``should_stop`` (polled before every decode step), and get them back partial."""
         import torch
 
         feed = iter(groups)
@@ -144,16 +225,19 @@ class EmbeddedEngine:
                 group = next(feed, None)
                 if group is None:
                     break
-                if group.n < 1 or group.sampling.max_tokens < 1:
-                    raise ValueError(f"group {group.group_id}: n and max_tokens must be >= 1")
-                for i in range(group.n):
-                    waiting.append(_Sequence(group, i, sample_seed(group.sampling.seed, group.group_id, i)))
+                group.check()
+                waiting.extend(_Sequence.of(group, i) for i in group.sample_indices())
             admitted, waiting[:] = waiting[:slots], waiting[slots:]
             return admitted
 
         with torch.inference_mode():
             batch = _Batch.empty()
             while True:
+                if should_stop is not None and should_stop():
+                    now = time.time()
+                    for s in batch.seqs + waiting:
+                        yield s.sample(ABORT, now)
+                    return
                 if batch.size:
                     self._decode_step(batch)  # feed the tokens sampled last step; fresh logits for all rows
                 # Refill once half the slots are free: one prefill per wave amortises its cost.
@@ -166,17 +250,19 @@ class EmbeddedEngine:
                 yield from self._sample_and_retire(batch)
 
     def _prefill(self, seqs: list[_Sequence]) -> _Batch:
+        """Prompt (+ the prefix of a resumed sample), left-padded: [B, width]; logits for the next token."""
         import torch
 
         now = time.time()
-        width = max(len(s.group.prompt_token_ids) for s in seqs)
+        inputs = [list(s.group.prompt_token_ids) + s.tokens for s in seqs]
+        width = max(len(x) for x in inputs)
         ids = torch.full((len(seqs), width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        for row, s in enumerate(seqs):
-            s.started_at = now
-            prompt = s.group.prompt_token_ids
-            ids[row, width - len(prompt) :] = torch.tensor(prompt)
-            mask[row, width - len(prompt) :] = 1
+        for row, (s, x) in enumerate(zip(seqs, inputs)):
+            s.started_at = s.started_at or now
+            s.segment_at = now
+            ids[row, width - len(x) :] = torch.tensor(x)
+            mask[row, width - len(x) :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
         return _Batch(seqs, out.past_key_values, mask, positions[:, -1] + 1, out.logits[:, -1, :].float())
@@ -211,17 +297,7 @@ class EmbeddedEngine:
             s.versions.append(self.policy_version)
             stop = token == self.eos_token_id and not s.group.sampling.ignore_eos
             if stop or len(s.tokens) >= s.group.sampling.max_tokens:
-                yield GeneratedSample(
-                    s.group.group_id,
-                    s.sample_index,
-                    s.group.prompt_token_ids,
-                    s.tokens,
-                    s.logprobs,
-                    s.versions,
-                    "stop" if stop else "length",
-                    s.started_at,
-                    now,
-                )
+                yield s.sample("stop" if stop else "length", now)
             else:
                 keep.append(row)
         if len(keep) < len(batch.seqs):

@@ -11,6 +11,11 @@ Groups are pulled from the caller lazily, as replicas have room, so a rollout th
 stops starting work here too. Samples stream back from each replica as they finish (a Ray streaming
 generator per call), so verification overlaps generation exactly as with a local engine.
 
+Partial rollouts: ``generate(groups, should_stop)`` polls ``should_stop`` while it waits on the
+replicas; once it is True, groups not yet sent come back as unstarted partial samples, and every
+replica is told to stop that call's samples (a ``stop`` call in the actor's own "control"
+concurrency group, so it runs while ``stream`` is busy), which then stream back partial.
+
 Checkpoint directories passed to ``load_weights`` must be readable by every replica's node: local
 paths on a one-machine cluster, a shared filesystem otherwise.
 """
@@ -18,16 +23,20 @@ paths on a one-machine cluster, a shared filesystem otherwise.
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from models.engine import EngineInfo, GeneratedSample, GroupRequest
+from models.engine import EngineInfo, GeneratedSample, GroupRequest, unstarted
 
 FLUSH_SAMPLES = 64  # a replica sends finished samples back in batches of at most this many ...
 FLUSH_SECONDS = 0.05  # ... or after this long, whichever comes first
 START_TIMEOUT_S = 900  # a vLLM replica on a busy CPU takes minutes to start; pending forever is an error
+STOP_POLL_S = 0.02  # how often the router asks should_stop while it waits on the replicas
+CONTROL = "control"  # the actor concurrency group of stop(): it must not queue behind stream()
 
 
 class EngineReplica:
@@ -38,19 +47,42 @@ class EngineReplica:
 
         torch.set_num_threads(max(1, threads))
         self.engine = build()
+        self._stopped: set[str] = set()  # generation ids whose samples must stop
+        self._lock = threading.Lock()
 
     def describe(self) -> tuple[EngineInfo, int]:
         return self.engine.info, self.engine.policy_version
 
-    def stream(self, groups: list[GroupRequest]) -> Iterator[list[GeneratedSample]]:
-        """Generate ``groups``; yield finished samples in small batches as they finish."""
+    def stop(self, generation: str) -> None:
+        """Stop the samples of every call of ``generation``; runs in the control group, beside stream()."""
+        with self._lock:
+            self._stopped.add(generation)
+
+    def stream(self, groups: list[GroupRequest], generation: str = "") -> Iterator[list[GeneratedSample]]:
+        """Generate ``groups``; yield finished samples in small batches as they finish (partial ones
+        once ``stop(generation)`` was called)."""
         batch: list[GeneratedSample] = []
         last = time.monotonic()
-        for sample in self.engine.generate(groups):
+
+        def should_stop() -> bool:
+            with self._lock:
+                return generation in self._stopped
+
+        pulled = 0
+
+        def feed() -> Iterator[GroupRequest]:
+            nonlocal pulled
+            for group in groups:
+                pulled += 1
+                yield group
+
+        for sample in self.engine.generate(feed(), should_stop):
             batch.append(sample)
             if len(batch) >= FLUSH_SAMPLES or time.monotonic() - last >= FLUSH_SECONDS:
                 yield batch
                 batch, last = [], time.monotonic()
+        now = time.time()  # groups the engine never pulled (stopped first) are handed back, not dropped
+        batch.extend(unstarted(g, i, now) for g in groups[pulled:] for i in g.sample_indices())
         if batch:
             yield batch
 
@@ -101,7 +133,10 @@ class ReplicaRouter:
         """Start ``replicas`` actors on the connected Ray cluster (``ray.init`` must have run)."""
         import ray
 
-        actor_class = ray.remote(num_cpus=cpus_per_replica, num_gpus=gpus_per_replica)(EngineReplica)
+        # The default group stays one thread (one call drives the engine at a time); stop() has its own.
+        actor_class = ray.remote(num_cpus=cpus_per_replica, num_gpus=gpus_per_replica, concurrency_groups={CONTROL: 1})(
+            EngineReplica
+        )
         threads = max(1, int(cpus_per_replica))
         return cls([actor_class.remote(build, threads) for _ in range(replicas)], groups_per_call)
 
@@ -109,7 +144,9 @@ class ReplicaRouter:
     def replicas(self) -> int:
         return len(self.actors)
 
-    def generate(self, groups: Iterable[GroupRequest]) -> Iterator[GeneratedSample]:
+    def generate(
+        self, groups: Iterable[GroupRequest], should_stop: Callable[[], bool] | None = None
+    ) -> Iterator[GeneratedSample]:
         """Keep up to ``calls_per_replica`` calls of ``groups_per_call`` groups on each replica;
         pull more groups only when a replica has room for another call."""
         import ray
@@ -119,6 +156,8 @@ class ReplicaRouter:
         calls = [0] * len(self.actors)
         streams: dict[Any, int] = {}  # Ray streaming generator -> replica
         exhausted = False
+        generation = uuid.uuid4().hex
+        stopping = False
 
         def wants_more(r: int) -> bool:
             return calls[r] < self.calls_per_replica and len(queues[r]) < self.groups_per_call
@@ -141,12 +180,22 @@ class ReplicaRouter:
                 for r, queue in enumerate(queues):
                     while queue and calls[r] < self.calls_per_replica:
                         chunk = [queue.popleft() for _ in range(min(self.groups_per_call, len(queue)))]
-                        streams[self.actors[r].stream.remote(chunk)] = r
+                        streams[self.actors[r].stream.remote(chunk, generation)] = r
                         calls[r] += 1
                         self.routed[r] += len(chunk)
                 if not streams:
                     return
-                ready, _ = ray.wait(list(streams), num_returns=1)
+                if not stopping and should_stop is not None and should_stop():
+                    stopping = exhausted = True
+                    now = time.time()
+                    for queue in queues:  # pulled but never sent: back as unstarted partial samples
+                        while queue:
+                            group = queue.popleft()
+                            yield from (unstarted(group, i, now) for i in group.sample_indices())
+                    ray.get([a.stop.options(concurrency_group=CONTROL).remote(generation) for a in self.actors])
+                ready, _ = ray.wait(
+                    list(streams), num_returns=1, timeout=None if should_stop is None or stopping else STOP_POLL_S
+                )
                 for stream in ready:
                     try:
                         batch = ray.get(next(stream))

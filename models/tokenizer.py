@@ -13,12 +13,13 @@ SPECIAL_TOKENS = [PAD, BOS, EOS, UNK]
 CHARACTERS = list("0123456789+=")
 
 
-def build_char_tokenizer() -> Any:
-    """16 tokens: pad/bos/eos/unk, ten digits, ``+`` and ``=``. Prompts get a BOS prepended."""
+def build_char_tokenizer(characters: str | list[str] = CHARACTERS) -> Any:
+    """pad/bos/eos/unk, then one token per character (by default 16 tokens: ten digits, ``+`` and ``=``).
+    Prompts get a BOS prepended. Another task passes its own characters; their order fixes the ids."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARACTERS)}
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + list(characters))}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.post_processor = processors.TemplateProcessing(

@@ -13,6 +13,14 @@ Choices that keep its rows interchangeable with the embedded engine's:
   temperature and top-p, i.e. under the distribution it was drawn from (the behaviour policy).
 - the policy version travels with the weights (``set_weight_version``), and vLLM reports the version
   that produced every output token, so a sample spanning a weight update records both versions.
+- partial rollouts: when ``should_stop()`` answers True (polled before every engine step) the
+  requests in flight are aborted and come back as partial samples built from their last cumulative
+  output (vLLM frees their KV blocks). Resuming one adds a request whose prompt is prompt + prefix
+  with the remaining ``max_tokens``; vLLM prefills it again (its prefix cache is reset whenever the
+  weights change, so nothing stale is reused). vLLM's per-request generator cannot jump to a token
+  position, so a resumed request is seeded with ``resume_seed(sample seed, prefix length)``: the
+  continuation is a function of (sample, stop position), reproducible, though not the draw an
+  uninterrupted request would have made.
 
 ``vllm`` is imported inside the engine, never at module import, so nothing else pays for it.
 """
@@ -22,11 +30,11 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from models.engine import EngineInfo, GeneratedSample, GroupRequest, sample_seed
+from models.engine import ABORT, EngineInfo, GeneratedSample, GroupRequest, sample_seed, unstarted
 
 FINISH_REASONS = ("stop", "length")  # anything else vLLM reports (abort, error) is recorded as 'abort'
 
@@ -59,8 +67,20 @@ def default_engine_args(on_cpu: bool) -> dict[str, Any]:
 class _InFlight:
     group: GroupRequest
     sample_index: int
-    started_at: float
+    started_at: float  # this segment's start
     policy_version: int  # the version being served when the request was admitted
+    prefix: GeneratedSample | None = None  # the partial sample this request continues
+    last: Any = None  # the latest cumulative output, what a stop returns
+
+
+def resume_seed(seed: int, prefix_tokens: int) -> int:
+    """The seed of a request continuing a sample after ``prefix_tokens`` tokens (0: the sample's own seed)."""
+    if prefix_tokens == 0:
+        return seed
+    import hashlib
+
+    digest = hashlib.blake2b(f"{seed}@{prefix_tokens}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF
 
 
 class VLLMEngine:
@@ -91,16 +111,26 @@ class VLLMEngine:
 
     # -- the engine interface ------------------------------------------------------------------
 
-    def generate(self, groups: Iterable[GroupRequest]) -> Iterator[GeneratedSample]:
+    def generate(
+        self, groups: Iterable[GroupRequest], should_stop: Callable[[], bool] | None = None
+    ) -> Iterator[GeneratedSample]:
         """Groups are pulled only while fewer than ``max_batch`` samples are in flight, so a caller
-        that stops feeding gets no more work started; requests still running when the caller
-        stops iterating are aborted."""
+        that stops feeding gets no more work started. Once ``should_stop()`` is True the requests in
+        flight are aborted and yielded as partial samples; requests still running when the caller
+        stops iterating are aborted unread."""
         engine = self.llm.llm_engine
         feed = iter(groups)
         in_flight: dict[str, _InFlight] = {}
         exhausted = False
         try:
             while True:
+                if should_stop is not None and should_stop():
+                    stopped, in_flight = in_flight, {}
+                    engine.abort_request(list(stopped))
+                    now = time.time()
+                    for flight in stopped.values():
+                        yield self._partial(flight, now)
+                    return
                 while not exhausted and len(in_flight) < self.max_batch:
                     group = next(feed, None)
                     if group is None:
@@ -110,8 +140,13 @@ class VLLMEngine:
                 if not in_flight:
                     return
                 for out in engine.step():
-                    if out.finished and out.request_id in in_flight:
-                        yield self._sample(out, in_flight.pop(out.request_id))
+                    flight = in_flight.get(out.request_id)
+                    if flight is None:
+                        continue
+                    flight.last = out
+                    if out.finished:
+                        del in_flight[out.request_id]
+                        yield self._sample(out, flight)
         finally:
             if in_flight:
                 engine.abort_request(list(in_flight))
@@ -133,18 +168,19 @@ class VLLMEngine:
     # -- internals -----------------------------------------------------------------------------
 
     def _admit(self, engine, group: GroupRequest, in_flight: dict[str, _InFlight]) -> None:
-        if group.n < 1 or group.sampling.max_tokens < 1:
-            raise ValueError(f"group {group.group_id}: n and max_tokens must be >= 1")
-        prompt = {"prompt_token_ids": list(group.prompt_token_ids)}
+        group.check()
         call = next(self._ids)
         now = time.time()
-        for index in range(group.n):
+        for index in group.sample_indices():
+            prefix = group.prefix(index)
+            done = list(prefix.token_ids) if prefix else []
+            prompt = {"prompt_token_ids": list(group.prompt_token_ids) + done}
             request_id = f"{call}/{group.group_id}/{index}"  # unique across calls: aborted ids may linger
-            engine.add_request(request_id, prompt, self._sampling_params(group, index))
-            in_flight[request_id] = _InFlight(group, index, now, self.policy_version)
+            engine.add_request(request_id, prompt, self._sampling_params(group, index, len(done)))
+            in_flight[request_id] = _InFlight(group, index, now, self.policy_version, prefix)
 
     @staticmethod
-    def _sampling_params(group: GroupRequest, index: int):
+    def _sampling_params(group: GroupRequest, index: int, prefix_tokens: int = 0):
         from vllm import SamplingParams
 
         s = group.sampling
@@ -152,24 +188,66 @@ class VLLMEngine:
             n=1,
             temperature=s.temperature,
             top_p=s.top_p,
-            max_tokens=s.max_tokens,
-            seed=sample_seed(s.seed, group.group_id, index),
+            max_tokens=s.max_tokens - prefix_tokens,
+            seed=resume_seed(sample_seed(s.seed, group.group_id, index), prefix_tokens),
             ignore_eos=s.ignore_eos,
             logprobs=0,  # only the sampled token's logprob
             detokenize=False,  # the rollout stage decodes with its own tokenizer
         )
 
-    def _sample(self, out, flight: _InFlight) -> GeneratedSample:
+    def _sample(self, out, flight: _InFlight, reason: str | None = None, now: float | None = None) -> GeneratedSample:
         completion = out.outputs[0]
         tokens = [int(t) for t in completion.token_ids]
         entries = completion.logprobs or []
         logprobs = [float(entries[i][t].logprob) for i, t in enumerate(tokens)]
-        reason = completion.finish_reason if completion.finish_reason in FINISH_REASONS else "abort"
+        if reason is None:
+            reason = completion.finish_reason if completion.finish_reason in FINISH_REASONS else ABORT
+        versions = token_versions(completion.weight_versions, len(tokens), flight.policy_version)
+        now = now or time.time()
+        prefix = flight.prefix
+        if prefix is None:
+            return GeneratedSample(
+                flight.group.group_id,
+                flight.sample_index,
+                flight.group.prompt_token_ids,
+                tokens,
+                logprobs,
+                versions,
+                reason,
+                flight.started_at,
+                now,
+                now - flight.started_at,
+            )
         return GeneratedSample(
-            flight.group.group_id, flight.sample_index, flight.group.prompt_token_ids, tokens, logprobs,
-            token_versions(completion.weight_versions, len(tokens), flight.policy_version),
-            reason, flight.started_at, time.time(),
+            flight.group.group_id,
+            flight.sample_index,
+            flight.group.prompt_token_ids,
+            list(prefix.token_ids) + tokens,
+            list(prefix.logprobs) + logprobs,
+            list(prefix.token_policy_versions) + versions,
+            reason,
+            prefix.started_at,
+            now,
+            prefix.gen_s + now - flight.started_at,
         )
+
+    def _partial(self, flight: _InFlight, now: float) -> GeneratedSample:
+        """A stopped request as a partial sample: what its last output held (its prefix alone if none yet)."""
+        if flight.last is None:
+            base = unstarted(flight.group, flight.sample_index, now)
+            return GeneratedSample(
+                base.group_id,
+                base.sample_index,
+                base.prompt_token_ids,
+                list(base.token_ids),
+                list(base.logprobs),
+                list(base.token_policy_versions),
+                ABORT,
+                base.started_at if flight.prefix else flight.started_at,
+                now,
+                base.gen_s + now - flight.started_at,
+            )
+        return self._sample(flight.last, flight, ABORT, now)
 
 
 def token_versions(spans, length: int, fallback: int) -> list[int]:

@@ -7,8 +7,8 @@ The storage root is any fsspec URI: a local directory (default ``./rlrounds-data
     <root>/runs/<run_id>/campaign.json                          the campaign's config and owner (created exclusively)
     <root>/runs/<run_id>/owners/<generation>.json               each resume's takeover (created exclusively)
     <root>/runs/<run_id>/rounds/<n>/stages/<stage>.json         a stage's result, written once its output is committed
-    <root>/runs/<run_id>/rounds/<n>/staging/                    rollout output not yet committed
-    <root>/runs/<run_id>/rounds/<n>/trajectories/<version>/     part-*.parquet + manifest.json (the commit)
+    <root>/runs/<run_id>/rounds/<n>/staging/                    rollout output not yet committed (rows, carry-over)
+    <root>/runs/<run_id>/rounds/<n>/trajectories/<version>/     part-*.parquet, carryover.parquet; manifest.json commits
     <root>/runs/<run_id>/rounds/<n>/checkpoint/                 Hugging Face dir + lineage.json (written last)
     <root>/derived/<version>/                                   re-filtered versions
     <root>/replays/<replay_id>/checkpoint/                      checkpoints trained by `rlrounds replay`
@@ -25,6 +25,7 @@ from typing import Any
 
 MANIFEST = "manifest.json"
 LINEAGE = "lineage.json"
+CARRYOVER = "carryover.parquet"  # a round's unfinished samples, attached to its trajectory version
 
 
 def part_name(index: int) -> str:
@@ -84,6 +85,9 @@ class StorageRoot:
 
     def rollout_staging_file(self, run_id: str, round_index: int) -> str:
         return posixpath.join(self.staging(run_id, round_index), "rollout.parquet")
+
+    def carryover_staging_file(self, run_id: str, round_index: int) -> str:
+        return posixpath.join(self.staging(run_id, round_index), CARRYOVER)
 
     def round_trajectories(self, run_id: str, round_index: int) -> str:
         return self.join("runs", run_id, "rounds", round_index, "trajectories")

@@ -5,6 +5,11 @@ which lists every part's sha256 and row count, the schema version, the version's
 was derived. Parts are written first; the manifest is the commit. Readers trust only versions with a
 manifest and verify every part's sha256 before parsing it.
 
+A round's version may carry attachments, files listed in the manifest with their sha256 and so
+committed with it: ``carryover.parquet`` holds the round's unfinished samples (partial rollouts and
+samples still waiting on the environment), which the next round resumes. They are not rows of the
+version (nothing trains on them there); ``read_carryover`` reads them, verified like a part.
+
 Rows do not store their own ``trajectory_version`` (the id is a hash over the parts, so a part
 cannot contain it); readers attach it as a column from the manifest.
 """
@@ -20,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from storage.files import write_atomic
-from storage.paths import MANIFEST, StorageRoot, child, manifest_of, part_name
+from storage.paths import CARRYOVER, MANIFEST, StorageRoot, child, manifest_of, part_name
 
 SCHEMA_VERSION = "1.0"
 ROWS_PER_PART = 50_000
@@ -90,6 +95,19 @@ def arrow_schema():
     )
 
 
+def carry_schema():
+    """A carry-over row: a trajectory row plus its state (partial | unverified | verified)."""
+    import pyarrow as pa
+
+    return arrow_schema().append(pa.field("carry_state", pa.string()))
+
+
+def carry_table(rows: list[dict]):
+    import pyarrow as pa
+
+    return pa.Table.from_pylist([{**r, "schema_version": SCHEMA_VERSION} for r in rows], schema=carry_schema())
+
+
 def check_schema_version(found: str, where: str) -> None:
     major = str(found).split(".")[0]
     if major != SCHEMA_VERSION.split(".")[0]:
@@ -149,11 +167,15 @@ class Manifest:
         return self.body.get("derivation") or {}
 
 
-def write_version(root: StorageRoot, directory_for, table, meta: dict[str, Any]) -> Manifest:
+def write_version(
+    root: StorageRoot, directory_for, table, meta: dict[str, Any], attachments: dict[str, bytes] | None = None
+) -> Manifest:
     """Commit ``table`` as a new version. ``directory_for(version) -> URI`` places it.
 
-    meta: run_id, round, kind, parent, derivation ... (anything JSON). Idempotent: writing the same
-    rows with the same meta again yields the same version id and rewrites nothing.
+    meta: run_id, round, kind, parent, derivation ... (anything JSON). ``attachments``: name -> bytes,
+    files written beside the parts and listed (sha256) in the manifest, so committed with them.
+    Idempotent: writing the same rows with the same meta again yields the same version id and
+    rewrites nothing.
     """
     table = table.replace_schema_metadata(None)
     parts = []
@@ -170,6 +192,10 @@ def write_version(root: StorageRoot, directory_for, table, meta: dict[str, Any])
             }
         )
     body = {"schema_version": SCHEMA_VERSION, "parts": parts, **meta}
+    if attachments:
+        body["attachments"] = {
+            name: {"sha256": sha256(blob), "bytes": len(blob)} for name, blob in sorted(attachments.items())
+        }
     version = version_id(body)
     directory = directory_for(version)
     fs = root.fs
@@ -178,6 +204,9 @@ def write_version(root: StorageRoot, directory_for, table, meta: dict[str, Any])
     fs.makedirs(directory, exist_ok=True)
     for part, blob in zip(parts, blobs):
         with fs.open(child(directory, part["path"]), "wb") as f:
+            f.write(blob)
+    for name, blob in (attachments or {}).items():
+        with fs.open(child(directory, name), "wb") as f:
             f.write(blob)
     _commit_manifest(root, directory, {"version": version, **body})
     return Manifest(version, directory, body)
@@ -234,6 +263,33 @@ def read_table(root: StorageRoot, manifest: Manifest, columns: Iterable[str] | N
     return table.append_column(
         "trajectory_version", pa.repeat(pa.scalar(manifest.version, pa.string()), table.num_rows)
     )
+
+
+def read_attachment(root: StorageRoot, manifest: Manifest, name: str) -> bytes | None:
+    """A committed attachment's bytes, sha256 verified; None when the version has none of that name."""
+    entry = (manifest.body.get("attachments") or {}).get(name)
+    if entry is None:
+        return None
+    path = child(manifest.directory, name)
+    try:
+        with root.fs.open(path, "rb") as f:
+            blob = f.read()
+    except FileNotFoundError:
+        raise CorruptPartError(f"trajectory version {manifest.version}: attachment {path} is missing") from None
+    if sha256(blob) != entry["sha256"]:
+        raise CorruptPartError(
+            f"trajectory version {manifest.version}: attachment {path} is corrupted (sha256 mismatch); "
+            "restore it from a copy or re-run the round"
+        )
+    return blob
+
+
+def read_carryover(root: StorageRoot, manifest: Manifest) -> list[dict]:
+    """The unfinished samples a round committed with its version (none: an empty list)."""
+    import pyarrow.parquet as pq
+
+    blob = read_attachment(root, manifest, CARRYOVER)
+    return [] if blob is None else pq.read_table(io.BytesIO(blob)).to_pylist()
 
 
 def list_manifests(root: StorageRoot) -> list[Manifest]:

@@ -1,4 +1,4 @@
-"""The starting policy of a campaign: the built-in one (built once, cached under the storage root) or
+"""The starting policy of a campaign: a built-in one (built once, cached under the storage root) or
 any Hugging Face causal-LM directory, checked before the campaign does anything else."""
 
 from __future__ import annotations
@@ -15,31 +15,33 @@ from tasks.publish import PublishConfig, lineage_tags
 from tasks.results import BasePolicy, Published
 from tasks.verifiers.config import VerifyConfig
 
-BUILTIN = "builtin"
+BUILTIN = "builtin"  # the addition base; every built-in base is listed in models.builtin.BUILTINS
 
 
 def run_prepare_base(*, storage: str, base_model: str, progress: Callable[[str], None] | None = None) -> BasePolicy:
     """The base checkpoint URI and its identity (recorded as every checkpoint's base_model tag)."""
-    from models.base_policy import RECIPE_VERSION, build_base_policy
+    from models.base_policy import build_base_policy
+    from models.builtin import BUILTINS
     from models.policy import check_policy_dir
     from storage import checkpoints
     from storage.paths import StorageRoot
 
     root = StorageRoot.of(storage)
-    if base_model != BUILTIN:
+    if base_model not in BUILTINS:
         check_policy_dir(base_model)
         with open(os.path.join(base_model, "config.json"), "rb") as f:
             digest = hashlib.sha256(f.read()).hexdigest()[:12]
         return BasePolicy(
             checkpoint=os.path.abspath(base_model), base_model=f"{os.path.abspath(base_model)}@{digest}", built=False
         )
-    name = f"builtin-addition-v{RECIPE_VERSION}"
+    builtin = BUILTINS[base_model]
+    name = builtin.cache_name
     target = root.base_policy(name)
     if not checkpoints.is_committed(root, target):
         with tempfile.TemporaryDirectory(prefix="rlrounds-base-") as tmp:
             if progress is None:
                 from tasks.report import report_progress as progress
-            meta = build_base_policy(tmp, progress=progress)
+            meta = build_base_policy(tmp, progress=progress, task=builtin)
             checkpoints.commit_checkpoint(root, tmp, target, {"kind": "base", **meta})
         built = True
     else:

@@ -120,6 +120,30 @@ def apply_decisions(
     return out
 
 
+def length_bias(rows: list[dict]) -> dict[str, float]:
+    """Which completion lengths training sees, against what was generated: rows are split into (up to)
+    four buckets at the quartiles of the stored completion lengths; per bucket, its share of the generated
+    samples and of the kept ones. Keeping only early finishers shows as a long bucket kept less than
+    generated; ``filter/length_bias`` is mean kept length over mean generated length (1: none)."""
+    lengths = sorted(len(r["completion_token_ids"]) for r in rows)
+    kept = [len(r["completion_token_ids"]) for r in rows if r["kept"]]
+    if not lengths:
+        return {}
+    # Quartile edges; fewer buckets when lengths repeat (a bucket is never empty of generated samples).
+    edges = sorted({lengths[max(0, len(lengths) * q // 4 - 1)] for q in (1, 2, 3)} | {lengths[-1]})
+    stats: dict[str, float] = {}
+    lower = -1
+    for q, upper in enumerate(edges, start=1):
+        stats[f"filter/length_q{q}_max_tokens"] = upper
+        stats[f"filter/length_q{q}_generated_share"] = sum(lower < n <= upper for n in lengths) / len(lengths)
+        stats[f"filter/length_q{q}_kept_share"] = sum(lower < n <= upper for n in kept) / max(len(kept), 1)
+        lower = max(lower, upper)
+    stats["filter/generated_mean_tokens"] = sum(lengths) / len(lengths)
+    stats["filter/kept_mean_tokens"] = sum(kept) / max(len(kept), 1)
+    stats["filter/length_bias"] = stats["filter/kept_mean_tokens"] / max(stats["filter/generated_mean_tokens"], 1e-9)
+    return stats
+
+
 def filter_stats(rows: list[dict]) -> dict[str, float]:
     from collections import Counter
 
@@ -133,6 +157,11 @@ def filter_stats(rows: list[dict]) -> dict[str, float]:
     }
     for reason in (DROP_INFRA, DROP_UNKNOWN, DROP_ZERO_VARIANCE, DROP_INCOMPLETE, DROP_OVERFLOW):
         stats[f"filter/dropped_{reason}"] = reasons.get(reason, 0)
+    if rows and "completion_token_ids" in rows[0]:
+        stats.update(length_bias(rows))
+    stats["filter/kept_rows_spanning_versions"] = sum(
+        1 for r in rows if r["kept"] and len(set(r.get("token_policy_versions") or [])) > 1
+    )
     return stats
 
 
@@ -146,14 +175,19 @@ def run_filter(
     config: FilterConfig,
     target_groups: int,
     rollout_stats: Annotated[Stats, NotInput("a measurement; it travels in the manifest")],
+    carryover: str | None = None,
 ) -> TrajectoryVersion:
     """Filter the staged rollout and commit it as this round's trajectory version.
 
+    ``carryover``: the staged unfinished samples (``Staged.carryover``), committed with the version as
+    its ``carryover.parquet`` attachment when there are any; the next round resumes them.
     ``rollout_stats`` travel in the manifest, so a resumed round still reports how its rollout went.
     Idempotent: once the round's version is committed it is returned as it is (staging is gone by then)."""
+    import io
+
     import pyarrow.parquet as pq
 
-    from storage.paths import StorageRoot
+    from storage.paths import CARRYOVER, StorageRoot
     from storage.trajectories import (
         TrajectoryStoreError,
         committed_round_version,
@@ -165,18 +199,26 @@ def run_filter(
     root = StorageRoot.of(ctx.storage)
     committed = committed_round_version(root, ctx.run_id, ctx.round)
     if committed is not None:
-        rows = read_table(root, committed, columns=["group_id", "kept", "drop_reason"]).to_pylist()
+        columns = ["group_id", "kept", "drop_reason", "completion_token_ids", "token_policy_versions"]
+        rows = read_table(root, committed, columns=columns).to_pylist()
         return TrajectoryVersion(
             version=committed.version, uri=committed.directory, stats=filter_stats(rows), resumed=True
         )
-    if staging is None or not root.fs.exists(staging):
+    missing = [uri for uri in (staging, carryover) if uri is not None and not root.fs.exists(uri)]
+    if staging is None or missing:
         raise TrajectoryStoreError(
-            f"round {ctx.round} of run {ctx.run_id}: the staged rollout {staging} is gone and no trajectory "
-            f"version is committed; delete {root.stage_record(ctx.run_id, ctx.round, 'rollout')} and resume "
-            "to generate the round again"
+            f"round {ctx.round} of run {ctx.run_id}: the staged rollout {missing[0] if missing else None} is gone "
+            f"and no trajectory version is committed; delete {root.stage_record(ctx.run_id, ctx.round, 'rollout')} "
+            "and resume to generate the round again"
         )
     with root.fs.open(staging, "rb") as f:
         rows = pq.read_table(f).to_pylist()
+    attachments = {}
+    if carryover is not None:  # the round's unfinished samples: committed with its version, resumed next round
+        with root.fs.open(carryover, "rb") as f:
+            carry = f.read()
+        if pq.read_metadata(io.BytesIO(carry)).num_rows:
+            attachments[CARRYOVER] = carry
     rows = apply_decisions(rows, decide(rows, config), target_groups)
     meta = {
         "kind": "rollout",
@@ -191,7 +233,7 @@ def run_filter(
         "rollout_stats": rollout_stats,
     }
     manifest = write_version(
-        root, lambda v: root.trajectory_version(ctx.run_id, ctx.round, v), rows_to_table(rows), meta
+        root, lambda v: root.trajectory_version(ctx.run_id, ctx.round, v), rows_to_table(rows), meta, attachments
     )
     root.fs.rm(root.staging(ctx.run_id, ctx.round), recursive=True)  # committed: the staging copy is redundant
     return TrajectoryVersion(version=manifest.version, uri=manifest.directory, stats=filter_stats(rows))

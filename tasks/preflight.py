@@ -17,32 +17,32 @@ from typing import Any
 from tasks.prompts import PromptError
 from tasks.results import Checked
 
-BUILTIN_BASE = "builtin"
-
 
 def base_tokenizer_and_context(storage: str, base_model: str) -> tuple[Any, int | None]:
     """The tokenizer rollout will use and the model's context length, without building or loading weights.
 
     The built-in base may not be built yet: its tokenizer is fixed, and its context is read from the
     recipe's model config (a 0.6M-parameter model, built in milliseconds, never trained here)."""
+    from models.builtin import BUILTINS
     from models.policy import check_policy_dir, context_length
     from storage import checkpoints
     from storage.paths import StorageRoot
 
-    if base_model != BUILTIN_BASE:
+    if base_model not in BUILTINS:
         from transformers import AutoTokenizer
 
         check_policy_dir(base_model)
         return AutoTokenizer.from_pretrained(base_model), context_length(base_model)
-    from models.base_policy import RECIPE_VERSION, BaseRecipe, build_model
+    from models.base_policy import build_model
     from models.tokenizer import build_char_tokenizer
 
-    tokenizer = build_char_tokenizer()
+    builtin = BUILTINS[base_model]
+    tokenizer = build_char_tokenizer(builtin.characters)
     root = StorageRoot.of(storage)
-    built = root.base_policy(f"builtin-addition-v{RECIPE_VERSION}")
+    built = root.base_policy(builtin.cache_name)
     if root.is_local and checkpoints.is_committed(root, built):
         return tokenizer, context_length(built)
-    return tokenizer, build_model(BaseRecipe(), len(tokenizer), tokenizer).config.max_position_embeddings
+    return tokenizer, build_model(builtin.recipe, len(tokenizer), tokenizer).config.max_position_embeddings
 
 
 def longest_prompt(prompts, tokenizer) -> tuple[Any, int]:
@@ -68,14 +68,14 @@ def run_preflight(*, config: Any, storage: str) -> Checked:
     """Check a round config's inputs against the storage root; returns what was checked (for the log).
 
     ``config`` is a ``flows.config.RoundConfig`` (composed there from the stages' configs)."""
-    from models import addition
+    from models.builtin import BUILTIN_SOURCES
     from storage.lineage import Tracker
     from storage.paths import StorageRoot
     from storage.settings import settings
-    from tasks.prompts import BUILTIN, evaluation_prompts, load_prompt_file
+    from tasks.prompts import evaluation_prompts, load_prompt_file
 
-    if config.prompts.source == BUILTIN:  # the built-in stream draws a+b= below 100: 99+99= is the longest
-        training = [addition.make_prompt(addition.MAX_OPERAND, addition.MAX_OPERAND)]
+    if config.prompts.source in BUILTIN_SOURCES:  # a built-in stream is endless: check its longest prompt
+        training = [BUILTIN_SOURCES[config.prompts.source].data.longest_prompt()]
     else:
         training = load_prompt_file(config.prompts.source, config.prompts.task)
     held_out = evaluation_prompts(config.prompts, config.evaluate.source)

@@ -1,4 +1,5 @@
-"""Prompt sources: the built-in addition task, or a Parquet / JSONL file with ``prompt`` and ``reference``.
+"""Prompt sources: a built-in task (addition, longtail), or a Parquet / JSONL file with ``prompt`` and
+``reference``.
 
 A source yields an endless, seeded stream of prompts: rollout draws from it until the trainable
 batch is full, so a round never needs to know in advance how many prompts it will use.
@@ -11,10 +12,10 @@ import json
 import random
 from collections.abc import Iterator
 
-from pydantic import field_validator
+from pydantic import field_validator, model_validator
 
-from models import addition
 from models.addition import Prompt
+from models.builtin import BUILTIN_SOURCES
 from tasks.config_base import Config
 
 BUILTIN = "builtin:addition"
@@ -28,16 +29,29 @@ class PromptsConfig(Config):
     """Where training prompts come from."""
 
     source: str = BUILTIN
-    """'builtin:addition', or a local/remote path to a .parquet or .jsonl file with columns prompt, reference."""
+    """'builtin:addition', 'builtin:longtail' (count down: long-tailed answer lengths), or a local/remote
+    path to a .parquet or .jsonl file with columns prompt, reference."""
     task: str = "addition"
     """Task name recorded on every row; also selects the verifier unless verify.verifier is set."""
 
     @field_validator("source")
     @classmethod
     def _known_format(cls, v: str) -> str:
-        if v != BUILTIN and not v.endswith((".parquet", ".jsonl")):
-            raise ValueError(f"prompt source {v!r} must be '{BUILTIN}' or a .parquet / .jsonl file")
+        if v not in BUILTIN_SOURCES and not v.endswith((".parquet", ".jsonl")):
+            raise ValueError(
+                f"prompt source {v!r} must be one of {', '.join(map(repr, BUILTIN_SOURCES))} "
+                "or a .parquet / .jsonl file"
+            )
         return v
+
+    @model_validator(mode="after")
+    def _builtin_task_matches(self) -> PromptsConfig:
+        builtin = BUILTIN_SOURCES.get(self.source)
+        if builtin and self.task != builtin.task:
+            raise ValueError(
+                f"prompts.source {self.source!r} is the {builtin.task!r} task; set prompts.task to {builtin.task!r}"
+            )
+        return self
 
 
 def load_prompt_file(uri: str, task: str) -> list[Prompt]:
@@ -94,12 +108,11 @@ def load_prompt_file(uri: str, task: str) -> list[Prompt]:
 
 
 def prompt_stream(config: PromptsConfig, seed: int) -> Iterator[Prompt]:
-    """Endless prompts: uniform draws for the built-in task, seeded reshuffled passes over a file."""
+    """Endless prompts: a built-in task's seeded stream, or seeded reshuffled passes over a file."""
+    if config.source in BUILTIN_SOURCES:
+        yield from BUILTIN_SOURCES[config.source].data.prompt_stream(seed)
+        return
     rng = random.Random(seed)
-    if config.source == BUILTIN:
-        pairs = addition.training_pairs()
-        while True:
-            yield addition.make_prompt(*pairs[rng.randrange(len(pairs))])
     prompts = load_prompt_file(config.source, config.task)
     while True:
         order = list(range(len(prompts)))
@@ -111,6 +124,6 @@ def prompt_stream(config: PromptsConfig, seed: int) -> Iterator[Prompt]:
 def evaluation_prompts(config: PromptsConfig, eval_source: str | None) -> list[Prompt]:
     if eval_source:
         return load_prompt_file(eval_source, config.task)
-    if config.source == BUILTIN:
-        return addition.held_out_prompts()
+    if config.source in BUILTIN_SOURCES:
+        return BUILTIN_SOURCES[config.source].data.held_out_prompts()
     raise PromptError("evaluation needs held-out prompts: set evaluate.source to a .jsonl or .parquet file")

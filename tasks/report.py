@@ -51,10 +51,40 @@ def _fmt(stats: dict, key: str, spec: str = ".3f", unit: str = "") -> str:
     return "n/a" if value is None else f"{value:{spec}}{unit}"
 
 
+def straggler_wait(stats: dict[str, Any]) -> dict[str, float]:
+    """The wait the round paid between holding its trainable batch and starting to train (stopping or
+    finishing stragglers, verdicts, staging, filter and store, loading the trainer). Absent when the
+    round resumed past either moment (the other process's clock is not this one's)."""
+    ready, started = stats.get("rollout/batch_ready_at"), stats.get("train/started_at")
+    if ready is None or started is None or stats.get("resume/stages_skipped"):
+        return {}
+    return {"rollout/straggler_wait_s": max(0.0, started - ready)}
+
+
+def _tail(s: dict, prefix: str) -> str:
+    return (
+        f"p50 {_fmt(s, prefix + '_p50_s', '.3f')}, p90 {_fmt(s, prefix + '_p90_s', '.3f')}, "
+        f"p99 {_fmt(s, prefix + '_p99_s', '.3f')}, max {_fmt(s, prefix + '_max_s', '.3f', ' s')}"
+    )
+
+
+def _length_bias(s: dict) -> str:
+    buckets = [
+        f"<= {_fmt(s, f'filter/length_q{q}_max_tokens', '.0f')} tokens "
+        f"{_fmt(s, f'filter/length_q{q}_kept_share', '.0%')} vs {_fmt(s, f'filter/length_q{q}_generated_share', '.0%')}"
+        for q in range(1, 5)
+        if f"filter/length_q{q}_max_tokens" in s
+    ]
+    return (
+        f"kept vs generated share by completion length: {'; '.join(buckets)}; mean kept length / generated "
+        f"{_fmt(s, 'filter/length_bias', '.3f')} (1: no bias)"
+    )
+
+
 def health_report(
     run_id: str, round_index: int, stats: dict[str, float], model_version: str | None, trajectory_version: str | None
 ) -> str:
-    s = stats
+    s = {**stats, **straggler_wait(stats)}
     lines = [
         f"# Round {round_index} of campaign `{run_id}`",
         "",
@@ -63,11 +93,19 @@ def health_report(
         "| question | figure |",
         "| --- | --- |",
         f"| batch readiness | time to a trainable batch {_fmt(s, 'rollout/time_to_trainable_batch_s', '.2f', ' s')}; "
-        f"sample latency p50 {_fmt(s, 'rollout/sample_latency_p50_s', '.3f', ' s')}, p99 "
-        f"{_fmt(s, 'rollout/sample_latency_p99_s', '.3f', ' s')}, "
-        f"max {_fmt(s, 'rollout/sample_latency_max_s', '.3f', ' s')}; {_fmt(s, 'rollout/groups', '.0f')} groups "
-        "generated for "
-        f"{_fmt(s, 'rollout/target_groups', '.0f')} trainable |",
+        f"straggler wait paid (batch ready to training start) {_fmt(s, 'rollout/straggler_wait_s', '.2f', ' s')}; "
+        f"{_fmt(s, 'rollout/groups', '.0f')} groups complete for {_fmt(s, 'rollout/target_groups', '.0f')} trainable |",
+        f"| long tail | generation latency {_tail(s, 'rollout/gen_latency')}; environment latency "
+        f"{_tail(s, 'verify/env_latency')}; slow environment (stop point timing-dependent) "
+        f"{_fmt(s, 'rollout/slow_environment', '.0f')} |",
+        f"| carry-over | carried out {_fmt(s, 'rollout/carried_out_groups', '.0f')} groups: "
+        f"{_fmt(s, 'rollout/carried_out_partial_samples', '.0f')} partial samples "
+        f"({_fmt(s, 'rollout/carried_out_tokens', '.0f')} tokens), "
+        f"{_fmt(s, 'rollout/carried_out_unverified_samples', '.0f')} awaiting the environment; carried in "
+        f"{_fmt(s, 'rollout/carried_in_groups', '.0f')} groups, {_fmt(s, 'rollout/carried_in_finished_groups', '.0f')} "
+        f"finished here; {_fmt(s, 'rollout/samples_spanning_versions', '.0f')} samples span policy versions "
+        f"({_fmt(s, 'filter/kept_rows_spanning_versions', '.0f')} kept) |",
+        f"| length bias | {_length_bias(s)} |",
         f"| policy freshness | staleness mean {_fmt(s, 'train/staleness_mean_steps', '.1f')} steps, max "
         f"{_fmt(s, 'train/staleness_max_steps', '.0f')}; "
         f"ratio mean {_fmt(s, 'train/ratio_mean', '.4f')}; clip fraction {_fmt(s, 'train/clip_fraction', '.3f')} |",
@@ -120,7 +158,7 @@ def run_record_round(
     report = health_report(ctx.run_id, ctx.round, stats, model_version, trajectory_version)
     if tracker.client.get_run(ctx.mlflow_run_id).info.status == "FINISHED":  # recorded before a crash: never log twice
         return RoundRecord(report=report)
-    numeric = {k: float(v) for k, v in stats.items() if isinstance(v, (int, float))}
+    numeric = {k: float(v) for k, v in {**stats, **straggler_wait(stats)}.items() if isinstance(v, (int, float))}
     tracker.log(ctx.mlflow_run_id, metrics=numeric, step=ctx.round)
     tracker.log_text(ctx.mlflow_run_id, report, "round_health_report.md")
     tracker.finish(ctx.mlflow_run_id)

@@ -59,6 +59,9 @@ class Staged(StageResult):
     staging: str | None
     """The staged file; None when the round's trajectory version was already committed."""
     stats: Stats
+    carryover: str | None = None
+    """The staged carry-over (unfinished samples the next round resumes, Parquet); None when nothing
+    was staged (a round found committed: its carry-over is committed with its version)."""
     resumed: bool = False
 
 

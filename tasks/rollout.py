@@ -2,20 +2,26 @@
 
 The headline figure is *time to a trainable batch*: the round needs ``target_groups`` complete groups
 that will survive filtering (not every group generated), so prompts are fed to the engine lazily and
-feeding stops the moment enough trainable groups are verified. Groups still in flight then finish
-and are stored too (filter marks them ``batch_full``): nothing generated is thrown away unrecorded.
+feeding stops the moment enough trainable groups are verified (tasks/ready_pool.py). With partial
+rollouts the samples still generating are then stopped, not waited for: they and the samples still
+waiting on the environment are the round's *carry-over*, committed with its trajectory version and
+resumed first by the next round under its newer policy. Complete groups that arrive after the batch
+is full are stored too (filter marks them ``batch_full``): nothing generated is thrown away unrecorded.
 
-Output: every sample as a staged Parquet file (uncommitted; filter commits the version) and stats.
+Output: every sample of a ready group, and the carry-over, as staged Parquet files (uncommitted;
+filter commits them with the version) and stats.
 """
 
 from __future__ import annotations
 
+import statistics
+import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
@@ -25,11 +31,12 @@ from tasks.config_base import Config
 from tasks.context import RoundContext
 from tasks.filter import FilterConfig, group_is_trainable
 from tasks.prompts import PromptError, PromptsConfig, prompt_stream
+from tasks.ready_pool import PARTIAL, VERIFIED, Group, Harvest, PoolLimits, ReadyPool, Slot
 from tasks.results import NotInput, Staged
 from tasks.verifiers.config import VerifyConfig
 from tasks.verifiers.outcome import Outcome, Verdict
 from tasks.verifiers.pool import VerifierPool, check_infra_failure_rate
-from tasks.verifiers.registry import get_verifier, verifier_version
+from tasks.verifiers.registry import rollout_verifier, rollout_verifier_version
 
 
 class RolloutConfig(Config):
@@ -58,6 +65,15 @@ class RolloutConfig(Config):
     with one replica. Unset: a local Ray is started when replicas > 1."""
     max_prompts_factor: float = Field(8.0, ge=1.0)
     """Over-provisioning cap: at most this many times the target groups are generated per round."""
+    partial_rollouts: bool = True
+    """Once the trainable batch is full, stop the samples still generating and carry them (with the
+    samples still waiting on the environment) over to the next round, which resumes them first under
+    its newer policy; every token keeps the policy version that sampled it. Off: samples in flight run
+    to the end and their groups are stored as 'batch_full' (a synchronous barrier on the long tail)."""
+    verdict_wait_s: float = Field(0.1, ge=0.0)
+    """How long the ready pool may wait for verdicts at a decision (is the batch full?) before it treats
+    the environment as slow and stops waiting for it for the rest of the round. An environment that
+    answers within it makes the round's stop point, and so its rows, reproducible; 0 never waits."""
 
     @model_validator(mode="after")
     def _dtype_known(self) -> RolloutConfig:
@@ -67,26 +83,20 @@ class RolloutConfig(Config):
 
 
 @dataclass
-class _GroupState:
-    request: GroupRequest
-    prompt: Prompt
-    enqueued_at: float
-    samples: list[GeneratedSample] = field(default_factory=list)
-    texts: dict[int, str] = field(default_factory=dict)
-    futures: list[Any] = field(default_factory=list)
-    verified_at: dict[int, float] = field(default_factory=dict)
-
-
-@dataclass
 class RolloutResult:
-    """The samples in completion order, and the figures the round reports."""
+    """The samples of ready groups in the order their groups finished, the carry-over, and the figures."""
 
     rows: list[dict]
+    carry_rows: list[dict]
     stats: dict[str, float]
 
 
-def _utc(t: float) -> datetime:
-    return datetime.fromtimestamp(t, tz=UTC)
+def _utc(t: float | None) -> datetime | None:
+    return None if t is None else datetime.fromtimestamp(t, tz=UTC)
+
+
+def _epoch(t: datetime | None) -> float | None:
+    return None if t is None else t.timestamp()
 
 
 def generate_and_verify(
@@ -102,25 +112,20 @@ def generate_and_verify(
     round_index: int,
     progress=None,
     max_context: int | None = None,
+    carried_rows: list[dict] | None = None,
 ) -> RolloutResult:
-    """``max_context``: the model's positions; a prompt that cannot fit with rollout.max_tokens is an
+    """One round's collection. ``carried_rows``: the previous round's carry-over, resumed first.
+
+    ``max_context``: the model's positions; a prompt that cannot fit with rollout.max_tokens is an
     input error, raised before it is generated (the engine would fail deep inside, or silently wrap)."""
     verifier_name = verify.verifier or prompts.task
-    verifier = get_verifier(verifier_name, verify)
     sampling = SamplingParams(rollout.temperature, rollout.top_p, rollout.max_tokens, seed)
     stream = prompt_stream(prompts, seed)
-    max_groups = int(target_groups * rollout.max_prompts_factor)
-    groups: dict[str, _GroupState] = {}
-    generated: deque[_GroupState] = deque()  # every sample generated, verdicts may be pending
-    completed: list[_GroupState] = []
-    trainable = 0
+    carried = groups_from_carry(carried_rows or [])
     start = time.time()
-    batch_ready_at: float | None = None
 
-    def feed():
-        for index in range(max_groups):
-            if trainable >= target_groups:
-                return
+    def fresh():
+        for index in range(int(target_groups * rollout.max_prompts_factor)):
             prompt = next(stream)
             ids = tuple(tokenizer(prompt.text)["input_ids"])
             if max_context is not None and len(ids) + rollout.max_tokens > max_context:
@@ -128,84 +133,146 @@ def generate_and_verify(
                     context_overflow(prompts.source, prompt.prompt_id, len(ids), rollout.max_tokens, max_context)
                 )
             request = GroupRequest(f"r{round_index}-g{index:06d}", ids, rollout.samples_per_prompt, sampling)
-            groups[request.group_id] = _GroupState(request, prompt, time.time())
-            yield request
+            yield Group(request, prompt.reference, prompt, time.time())
 
-    def harvest(block: bool) -> None:
-        nonlocal trainable, batch_ready_at
-        while generated and (block or all(f.done() for f in generated[0].futures)):
-            state = generated.popleft()
-            verdicts = [f.result() for f in state.futures]
-            completed.append(state)
-            if group_is_trainable([v.reward for v in verdicts], [v.outcome.value for v in verdicts], filtering):
-                trainable += 1
-                if trainable == target_groups:
-                    batch_ready_at = time.time()
-            if progress and len(completed) % 256 == 0:
-                progress(f"rollout: {len(completed)} groups verified, {trainable}/{target_groups} trainable")
+    def trainable(verdicts: list[Verdict]) -> bool:
+        return group_is_trainable([v.reward for v in verdicts], [v.outcome.value for v in verdicts], filtering)
 
-    with VerifierPool(
-        verifier, verify.workers, verify.infra_retries, verify.infra_retry_budget, verify.timeout_s
-    ) as pool:
-        for sample in engine.generate(feed()):
-            state = groups[sample.group_id]
-            text = tokenizer.decode(sample.token_ids, skip_special_tokens=True)
-            state.texts[sample.sample_index] = text
-            future = pool.submit(text, state.prompt.reference)
-            future.add_done_callback(
-                lambda _f, st=state, i=sample.sample_index: st.verified_at.__setitem__(i, time.time())
-            )
-            state.samples.append(sample)
-            state.futures.append(future)
-            if len(state.samples) == state.request.n:
-                generated.append(state)
-            harvest(block=False)
-        harvest(block=True)
-    end = time.time()
-    pool_stats = pool.stats()  # retries spent, workers replaced, timeouts: how hard the environment was to use
+    def decode(token_ids: list[int]) -> str:
+        return tokenizer.decode(token_ids, skip_special_tokens=True)
 
-    engine_info = engine.info
-    version = verifier_version(verifier_name)
-    rows = []
-    for state in completed:
-        for sample, future in sorted(zip(state.samples, state.futures), key=lambda p: p[0].sample_index):
-            verdict: Verdict = future.result()
-            rows.append(
-                {
-                    "run_id": run_id,
-                    "round": round_index,
-                    "prompt_id": state.prompt.prompt_id,
-                    "group_id": state.request.group_id,
-                    "sample_index": sample.sample_index,
-                    "task": state.prompt.task,
-                    "prompt_text": state.prompt.text,
-                    "prompt_token_ids": list(sample.prompt_token_ids),
-                    "reference": state.prompt.reference,
-                    "completion_text": state.texts[sample.sample_index],
-                    "completion_token_ids": sample.token_ids,
-                    "rollout_logprobs": sample.logprobs,
-                    "token_policy_versions": sample.token_policy_versions,
-                    "finish_reason": sample.finish_reason,
-                    "engine": {"name": engine_info.name, "version": engine_info.version, "dtype": engine_info.dtype},
-                    "sampling": sampling.as_dict(),
-                    "verifier": {"name": verifier_name, "version": version},
-                    "reward": verdict.reward,
-                    "outcome": verdict.outcome.value,
-                    "verify_error": verdict.error,
-                    "advantage": None,
-                    "kept": None,
-                    "drop_reason": None,
-                    "enqueued_at": _utc(state.enqueued_at),
-                    "started_at": _utc(sample.started_at),
-                    "finished_at": _utc(sample.finished_at),
-                    "verified_at": _utc(state.verified_at.get(sample.sample_index, end)),
-                    "gen_latency_s": sample.finished_at - sample.started_at,
-                    "verify_latency_s": verdict.latency_s,
-                }
-            )
-    return RolloutResult(
-        rows, {**rollout_stats(rows, completed, target_groups, trainable, start, end, batch_ready_at), **pool_stats}
+    verifiers = VerifierPool(
+        rollout_verifier(verifier_name, verify, seed),
+        verify.workers,
+        verify.infra_retries,
+        verify.infra_retry_budget,
+        verify.timeout_s,
     )
+    limits = PoolLimits(
+        max_outstanding=2 * verify.workers,
+        verdict_wait_s=rollout.verdict_wait_s,
+        stop_in_flight=rollout.partial_rollouts,
+    )
+    pool = ReadyPool(verifiers.submit, decode, trainable, target_groups, limits)
+    harvest: Harvest | None = None
+    try:
+        pool.carry_in(carried)
+        seen = 0
+        requests = pool.feed(fresh(), int(target_groups * rollout.max_prompts_factor))
+        for sample in engine.generate(requests, pool.should_stop):
+            pool.on_sample(sample)
+            seen += 1
+            if progress and seen % 2048 == 0:
+                progress(f"rollout: {seen} samples, {pool.trainable}/{target_groups} trainable groups")
+        harvest = pool.finish()
+    finally:
+        if harvest is not None and harvest.abandoned:
+            # Verifications left running belong to carried samples, verified again next round; the
+            # pool's close waits for them, which is exactly the straggler wait partial rollouts avoid.
+            threading.Thread(target=verifiers.close, name="verifier-pool-drain", daemon=True).start()
+        else:
+            verifiers.close()
+    end = time.time()
+    info = engine.info
+    context = {
+        "run_id": run_id,
+        "round": round_index,
+        "engine": {"name": info.name, "version": info.version, "dtype": info.dtype},
+        "verifier": {"name": verifier_name, "version": rollout_verifier_version(verifier_name, verify)},
+    }
+    rows = [sample_row(g, slot, context) for g in harvest.ready for slot in g.slots]
+    carry_rows = [sample_row(g, slot, context) for g in harvest.carry for slot in g.slots]
+    stats = {**rollout_stats(rows, carry_rows, harvest, carried, target_groups, start, end), **verifiers.stats()}
+    return RolloutResult(rows=rows, carry_rows=carry_rows, stats=stats)
+
+
+def sample_row(group: Group, slot: Slot, context: dict) -> dict:
+    """A trajectory row (schema: storage/trajectories.py), for a ready group or the carry-over.
+
+    A carried sample's row has ``carry_state`` (partial | unverified | verified); a partial one holds
+    its prefix and ``finish_reason='abort'``. Engine and verifier are the ones that finished it."""
+    prompt: Prompt = group.meta
+    sample: GeneratedSample = slot.sample if slot.finished else slot.carried_partial
+    verdict: Verdict | None = slot.verdict
+    return {
+        "run_id": context["run_id"],
+        "round": context["round"],
+        "prompt_id": prompt.prompt_id,
+        "group_id": group.request.group_id,
+        "sample_index": slot.index,
+        "task": prompt.task,
+        "prompt_text": prompt.text,
+        "prompt_token_ids": list(group.request.prompt_token_ids),
+        "reference": prompt.reference,
+        "completion_text": slot.text,
+        "completion_token_ids": list(sample.token_ids),
+        "rollout_logprobs": list(sample.logprobs),
+        "token_policy_versions": list(sample.token_policy_versions),
+        "finish_reason": sample.finish_reason,
+        "engine": context["engine"],
+        "sampling": group.request.sampling.as_dict(),
+        "verifier": context["verifier"],
+        "reward": verdict.reward if verdict else None,
+        "outcome": verdict.outcome.value if verdict else None,
+        "verify_error": verdict.error if verdict else None,
+        "advantage": None,
+        "kept": None,
+        "drop_reason": None,
+        "enqueued_at": _utc(group.enqueued_at),
+        "started_at": _utc(sample.started_at),
+        "finished_at": _utc(sample.finished_at),
+        "verified_at": _utc((slot.verified_at or sample.finished_at) if verdict else None),
+        "gen_latency_s": sample.gen_s,
+        "verify_latency_s": verdict.latency_s if verdict else None,
+        "carry_state": slot.state,
+    }
+
+
+def groups_from_carry(rows: list[dict]) -> list[Group]:
+    """The ready pool's groups from a committed carry-over (rows as ``sample_row`` wrote them)."""
+    by_group: dict[str, list[dict]] = {}
+    for row in rows:
+        by_group.setdefault(row["group_id"], []).append(row)
+    groups = []
+    for group_id, members in by_group.items():
+        members.sort(key=lambda r: r["sample_index"])
+        first = members[0]
+        sp = first["sampling"]
+        request = GroupRequest(
+            group_id,
+            tuple(first["prompt_token_ids"]),
+            len(members),
+            SamplingParams(sp["temperature"], sp["top_p"], sp["max_tokens"], sp["seed"]),
+        )
+        prompt = Prompt(
+            prompt_id=first["prompt_id"], task=first["task"], text=first["prompt_text"], reference=first["reference"]
+        )
+        slots = []
+        for row in members:
+            sample = GeneratedSample(
+                group_id,
+                row["sample_index"],
+                request.prompt_token_ids,
+                list(row["completion_token_ids"]),
+                list(row["rollout_logprobs"]),
+                list(row["token_policy_versions"]),
+                row["finish_reason"],
+                _epoch(row["started_at"]),
+                _epoch(row["finished_at"]),
+                row["gen_latency_s"] or 0.0,
+            )
+            if row["carry_state"] == PARTIAL:
+                slots.append(Slot(row["sample_index"], carried_partial=sample))
+                continue
+            slot = Slot(row["sample_index"], sample=sample, text=row["completion_text"])
+            if row["carry_state"] == VERIFIED:
+                slot.verdict = Verdict(
+                    row["reward"], Outcome(row["outcome"]), row["verify_error"], row["verify_latency_s"] or 0.0
+                )
+                slot.verified_at = _epoch(row["verified_at"])
+            slots.append(slot)
+        groups.append(Group(request, prompt.reference, prompt, _epoch(first["enqueued_at"]), slots))
+    return groups
 
 
 def context_overflow(source: str, prompt_id: str, prompt_tokens: int, max_tokens: int, max_context: int) -> str:
@@ -216,32 +283,64 @@ def context_overflow(source: str, prompt_id: str, prompt_tokens: int, max_tokens
     )
 
 
-def rollout_stats(rows, completed, target_groups, trainable, start, end, batch_ready_at) -> dict[str, float]:
-    import statistics
+def quantiles(values: list[float], prefix: str) -> dict[str, float]:
+    """p50/p90/p99/max of ``values`` (nearest rank) under ``prefix``; zeros when there are none."""
+    ordered = sorted(values) or [0.0]
 
+    def rank(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    return {
+        f"{prefix}_p50_s": rank(0.5),
+        f"{prefix}_p90_s": rank(0.9),
+        f"{prefix}_p99_s": rank(0.99),
+        f"{prefix}_max_s": ordered[-1],
+    }
+
+
+def rollout_stats(
+    rows: list[dict],
+    carry_rows: list[dict],
+    harvest: Harvest,
+    carried: list[Group],
+    target_groups: int,
+    start: float,
+    end: float,
+) -> dict[str, float]:
     outcomes = Counter(r["outcome"] for r in rows)
-    latencies = sorted(r["gen_latency_s"] for r in rows) or [0.0]
     tokens = sum(len(r["completion_token_ids"]) for r in rows)
     rewards = [r["reward"] for r in rows if r["reward"] is not None]
     wall = max(end - start, 1e-9)
     versions = [v for r in rows for v in r["token_policy_versions"]]
+    partial_out = [r for r in carry_rows if r["carry_state"] == PARTIAL]
+    carried_in = {g.request.group_id for g in carried}
     return {
-        "rollout/groups": len(completed),
-        "rollout/groups_trainable": trainable,
+        "rollout/groups": len(harvest.ready),
+        "rollout/groups_trainable": harvest.trainable,
         "rollout/target_groups": target_groups,
-        "rollout/batch_full": float(trainable >= target_groups),
+        "rollout/batch_full": float(harvest.trainable >= target_groups),
         "rollout/samples": len(rows),
         "rollout/tokens": tokens,
         "rollout/tokens_per_s": tokens / wall,
         "rollout/wall_s": wall,
-        "rollout/time_to_trainable_batch_s": (batch_ready_at or end) - start,
-        "rollout/sample_latency_p50_s": latencies[len(latencies) // 2],
-        "rollout/sample_latency_p99_s": latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))],
-        "rollout/sample_latency_max_s": latencies[-1],
+        "rollout/time_to_trainable_batch_s": (harvest.batch_ready_at or end) - start,
+        "rollout/batch_ready_at": harvest.batch_ready_at or end,
+        "rollout/stop_to_end_s": end - harvest.stopped_at if harvest.stopped_at else 0.0,
+        **quantiles([r["gen_latency_s"] for r in rows], "rollout/gen_latency"),
+        **quantiles([r["verify_latency_s"] for r in rows if r["verify_latency_s"] is not None], "verify/env_latency"),
         "rollout/mean_completion_tokens": tokens / max(len(rows), 1),
         "rollout/truncated_fraction": sum(r["finish_reason"] == "length" for r in rows) / max(len(rows), 1),
         "rollout/policy_version_min": min(versions, default=0),
         "rollout/policy_version_max": max(versions, default=0),
+        "rollout/samples_spanning_versions": sum(len(set(r["token_policy_versions"])) > 1 for r in rows),
+        "rollout/carried_in_groups": len(carried_in),
+        "rollout/carried_in_finished_groups": sum(g.request.group_id in carried_in for g in harvest.ready),
+        "rollout/carried_out_groups": len(harvest.carry),
+        "rollout/carried_out_partial_samples": len(partial_out),
+        "rollout/carried_out_tokens": sum(len(r["completion_token_ids"]) for r in partial_out),
+        "rollout/carried_out_unverified_samples": sum(r["carry_state"] == "unverified" for r in carry_rows),
+        "rollout/verifications_abandoned": harvest.abandoned,
+        "rollout/slow_environment": float(harvest.waited_for_slow_environment),
         "verify/mean_reward": statistics.fmean(rewards) if rewards else 0.0,
         "verify/success": outcomes.get(Outcome.SUCCESS.value, 0),
         "verify/model_failure": outcomes.get(Outcome.MODEL_FAILURE.value, 0),
@@ -255,6 +354,18 @@ def rollout_stats(rows, completed, target_groups, trainable, start, end, batch_r
 # -- the stage ------------------------------------------------------------------------------------
 
 
+def carry_source(storage: str, run_id: str, round_index: int) -> str | None:
+    """The trajectory version whose carry-over round ``round_index`` resumes: the previous round's
+    committed version (its URI), or None for the first round."""
+    from storage.paths import StorageRoot
+    from storage.trajectories import committed_round_version
+
+    if round_index <= 1:
+        return None
+    previous = committed_round_version(StorageRoot.of(storage), run_id, round_index - 1)
+    return None if previous is None else previous.directory
+
+
 def run_rollout(
     *,
     ctx: RoundContext,
@@ -263,19 +374,32 @@ def run_rollout(
     verify: VerifyConfig,
     filtering: FilterConfig,
     target_groups: int,
+    carry_from: str | None = None,
     progress: Annotated[Callable[[str], None] | None, NotInput("a progress callback")] = None,
 ) -> Staged:
-    """Generate and verify this round's samples from the parent checkpoint; stage them as Parquet."""
+    """Generate and verify this round's samples from the parent checkpoint; stage them as Parquet.
+
+    ``carry_from``: the committed trajectory version (URI) whose carry-over this round resumes first,
+    the previous round's (``carry_source``); None resumes nothing. The round's own unfinished samples
+    are staged beside its rows (``Staged.carryover``) for filter to commit with its version."""
     from models.policy import context_length
     from storage import checkpoints
     from storage.paths import StorageRoot
-    from storage.trajectories import committed_round_version, rows_to_table, table_bytes
+    from storage.trajectories import (
+        carry_table,
+        committed_round_version,
+        read_carryover,
+        read_manifest,
+        rows_to_table,
+        table_bytes,
+    )
     from tasks.engines import Placement, serving_engine
 
     root = StorageRoot.of(ctx.storage)
     committed = committed_round_version(root, ctx.run_id, ctx.round)
     if committed is not None:  # resumed after filter committed this round: generating again could only differ
         return Staged(staging=None, stats=committed.body.get("rollout_stats", {}), resumed=True)
+    carried = read_carryover(root, read_manifest(root, carry_from)) if carry_from is not None else []
     local = checkpoints.local_copy(root, ctx.parent_checkpoint)
     engine, tokenizer, _ = serving_engine(
         rollout.engine,
@@ -298,10 +422,14 @@ def run_rollout(
         ctx.round,
         progress,
         context_length(local),
+        carried,
     )
     check_infra_failure_rate(result.stats, verify.max_infra_failure_rate, ctx.round)  # before anything is staged
     staging = root.rollout_staging_file(ctx.run_id, ctx.round)
+    carryover = root.carryover_staging_file(ctx.run_id, ctx.round)
     root.fs.makedirs(root.staging(ctx.run_id, ctx.round), exist_ok=True)
+    with root.fs.open(carryover, "wb") as f:  # filter commits it with the rows
+        f.write(table_bytes(carry_table(result.carry_rows)))
     with root.fs.open(staging, "wb") as f:
         f.write(table_bytes(rows_to_table(result.rows)))
-    return Staged(staging=staging, stats=result.stats)
+    return Staged(staging=staging, carryover=carryover, stats=result.stats)

@@ -155,11 +155,14 @@ def train_policy(model, pad_token_id: int, batches: list[TrainBatch], config: Tr
         if ref_model is not None and config.kl_coef > 0:
             with torch.no_grad():
                 ref = token_logprobs(ref_model, tokens, temperature, top_ps[step])
-        # Engine vs trainer on every minibatch, before its update. With the proximal pass the trainer's
-        # side is at the sampling weights (numerics alone); without it (the fp32 embedded engine, where
-        # the two agree to ~1e-6) minibatch k is scored k steps past them, so the figure also holds
-        # the round's own drift, which is what the ratio corrects there.
-        mismatch.append(logprob_mismatch(proximal[step] if proximal else logp.detach(), behaviour, mask))
+        # Engine vs trainer on every minibatch, before its update, over the tokens the parent's weights
+        # sampled (a carried-over token's gap is staleness, not mismatch). With the proximal pass the
+        # trainer's side is at the sampling weights (numerics alone); without it (the fp32 embedded
+        # engine, where the two agree to ~1e-6) minibatch k is scored k steps past them, so the figure
+        # also holds the round's own drift, which is what the ratio corrects there.
+        versions = aligned(batch.policy_versions, prompt_width, total, fill=-1)  # [B, T-1]
+        current = (versions == current_version).float()  # [B, T-1]
+        mismatch.append(logprob_mismatch(proximal[step] if proximal else logp.detach(), behaviour, mask * current))
         inputs = LossInputs(
             logp,
             behaviour,
@@ -235,17 +238,22 @@ TRAIN_COLUMNS = [
 ]
 
 
-def needs_proximal(setting: str, rollout_dtype: str, engines: list[dict], top_ps: list[float] = ()) -> bool:
+def needs_proximal(
+    setting: str, rollout_dtype: str, engines: list[dict], top_ps: list[float] = (), stale_tokens: bool = False
+) -> bool:
     """Whether to recompute the trainer's logprobs at the sampling weights (enables truncated IS).
 
     'auto' skips it only when every sample came from the embedded engine at float32 without a nucleus
-    (top_p 1), whose logprobs match the trainer's to ~1e-6. Any other engine (vLLM: other kernels,
-    batching) or precision needs it, and so does top_p < 1: a 1e-6 difference in logits can move a
-    token across the nucleus boundary, which changes the renormaliser by that token's whole mass.
+    (top_p 1), whose logprobs match the trainer's to ~1e-6, and every token was sampled by the parent
+    policy. Any other engine (vLLM: other kernels, batching) or precision needs it; so does top_p < 1:
+    a 1e-6 difference in logits can move a token across the nucleus boundary, which changes the
+    renormaliser by that token's whole mass; and so do tokens of an older policy version (carried-over
+    partial rollouts): the PPO ratio is then taken against the parent policy and the truncated
+    importance weight corrects for the older behaviour policy.
     """
     if setting != "auto":
         return setting == "always"
-    if rollout_dtype != "float32" or any(p < 1.0 for p in top_ps):
+    if stale_tokens or rollout_dtype != "float32" or any(p < 1.0 for p in top_ps):
         return True
     return any(
         (e or {}).get("name", "embedded") != "embedded" or (e or {}).get("dtype", "float32") != "float32"
@@ -307,10 +315,12 @@ def run_train(
         rollout_dtype,
         [r["engine"] for r in rows],
         [float((r["sampling"] or {}).get("top_p") or 1.0) for r in rows],
+        stale_tokens=any(v != ctx.parent_policy_version for r in rows for v in r["token_policy_versions"]),
     )
     batches = minibatches(rows, config.groups_per_step, config.steps_per_round)
     if progress is None:
         from tasks.report import report_progress as progress
+    started_at = time.time()  # the round's straggler wait ends here (tasks/report.py)
     state, stats = train_policy(
         model,
         tokenizer.pad_token_id,
@@ -343,4 +353,5 @@ def run_train(
         save_policy(model, tokenizer, tmp)
         save_optimizer(state, tmp)
         checkpoints.commit_checkpoint(root, tmp, target, lineage)
+    stats["train/started_at"] = started_at
     return Trained(checkpoint=target, stats=stats, committed_at=time.time())

@@ -131,3 +131,120 @@ def test_a_flow_releases_the_serving_engines_it_built_and_only_those(tiny_policy
     with engines.released_engines():
         rebuilt, _, _ = engines.serving_engine("embedded", tiny_policy_dir, "bfloat16", 0)
     assert rebuilt is not built and closed == [built, rebuilt]  # the released one was gone: a fresh one was built
+
+
+# -- partial rollouts: stop mid-generation, load new weights, resume ---------------------------------
+
+
+def _perturbed(model, scale: float = 0.5):
+    """Another policy of the same shape: the same weights plus noise (a stand-in for one training round)."""
+    import copy
+
+    other = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale)
+    return other
+
+
+def _teacher_forced(model, sample, temperature, banned: int):
+    """Logprobs [T] of the sample's tokens under ``model`` from one forward pass over prompt + completion,
+    with token ``banned`` masked (the engine never samples eos under ignore_eos)."""
+    ids = torch.tensor([list(sample.prompt_token_ids) + sample.token_ids])  # [1, P+T]
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, :-1].float() / temperature  # [P+T-1, V]
+    logits[:, banned] = float("-inf")
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1)  # [P+T-1]
+    return logp[len(sample.prompt_token_ids) - 1 :]
+
+
+def test_stopped_samples_come_back_partial_and_resume_under_new_weights(policy, tmp_path):
+    from models.policy import save_policy
+
+    model, tok = policy
+    params = SamplingParams(temperature=1.0, max_tokens=12, seed=9, ignore_eos=True)  # every sample runs 12 tokens
+    import copy
+
+    # 1 sample waits; weights change below
+    engine = EmbeddedEngine(copy.deepcopy(model), tok.eos_token_id, tok.pad_token_id, max_batch=3)
+    steps = 0
+
+    def stop_after_five_steps() -> bool:
+        nonlocal steps
+        steps += 1
+        return steps > 5
+
+    requests = _requests(tok, 2, params)[:2]
+    first = list(engine.generate(requests, stop_after_five_steps))
+    # 2 groups x 2 samples, all back
+    assert len(first) == 4 and all(s.partial and s.finish_reason == "abort" for s in first)
+    assert sorted(len(s.token_ids) for s in first) == [0, 5, 5, 5]  # 3 admitted ran 5 steps; 1 never started
+    for s in first:
+        assert s.token_policy_versions == [0] * len(s.token_ids) and len(s.logprobs) == len(s.token_ids)
+
+    newer = _perturbed(model)
+    save_policy(newer, tok, str(tmp_path))
+    engine.load_weights(str(tmp_path), policy_version=1)
+    resumed_requests = [
+        GroupRequest(
+            r.group_id, r.prompt_token_ids, r.n, r.sampling, tuple(s for s in first if s.group_id == r.group_id)
+        )
+        for r in requests
+    ]
+    second = {(s.group_id, s.sample_index): s for s in engine.generate(resumed_requests)}
+    assert len(second) == 4
+    for before in first:
+        after = second[(before.group_id, before.sample_index)]
+        k = len(before.token_ids)
+        assert after.finish_reason == "length" and len(after.token_ids) == 12
+        # the prefix is kept as it was
+        assert after.token_ids[:k] == before.token_ids and after.logprobs[:k] == before.logprobs
+        assert after.token_policy_versions == [0] * k + [1] * (12 - k)  # versions change at the stop position
+        assert after.started_at == before.started_at and after.gen_s >= before.gen_s
+        # Each token's behaviour logprob is the one its version gives it, teacher-forced over the whole sample.
+        old, new = (_teacher_forced(m, after, 1.0, tok.eos_token_id) for m in (model, newer))
+        got = torch.tensor(after.logprobs)
+        assert torch.allclose(got[:k], old[:k], atol=1e-4) and torch.allclose(got[k:], new[k:], atol=1e-4)
+        if k:
+            assert not torch.allclose(got[k:], old[k:], atol=1e-2)  # the new weights did sample the suffix
+
+
+def test_a_resumed_sample_is_reproducible_and_equals_an_uninterrupted_one_under_the_same_weights(policy):
+    model, tok = policy
+    params = SamplingParams(temperature=1.0, max_tokens=10, seed=21)
+    engine = EmbeddedEngine(model, tok.eos_token_id, tok.pad_token_id, max_batch=64)
+    requests = _requests(tok, 3, params)
+    whole = {(s.group_id, s.sample_index): s for s in engine.generate(requests)}
+    steps = 0
+
+    def stop_after_three() -> bool:
+        nonlocal steps
+        steps += 1
+        return steps > 3
+
+    parts = list(engine.generate(requests, stop_after_three))
+    finished = {(s.group_id, s.sample_index): s for s in parts if not s.partial}
+    partial = [s for s in parts if s.partial]
+    assert partial and all(len(s.token_ids) == 3 for s in partial)
+    resume = [
+        GroupRequest(
+            r.group_id, r.prompt_token_ids, r.n, r.sampling, tuple(s for s in partial if s.group_id == r.group_id)
+        )
+        for r in requests
+        if any(s.group_id == r.group_id for s in partial)
+    ]
+    for _ in range(2):  # twice: the continuation is a function of (sample seed, position), nothing else
+        done = {**finished, **{(s.group_id, s.sample_index): s for s in engine.generate(resume)}}
+        assert {k: s.token_ids for k, s in done.items()} == {k: s.token_ids for k, s in whole.items()}
+        for k, s in done.items():
+            assert torch.allclose(torch.tensor(s.logprobs), torch.tensor(whole[k].logprobs), atol=1e-5)
+
+
+def test_resume_rejects_samples_that_are_not_this_groups_partial_ones(policy):
+    model, tok = policy
+    engine = EmbeddedEngine(model, tok.eos_token_id, tok.pad_token_id)
+    params = SamplingParams(max_tokens=4, seed=1)
+    done = next(iter(engine.generate(_requests(tok, 1, params)[:1])))
+    with pytest.raises(ValueError, match="only this group's partial samples"):
+        list(engine.generate([GroupRequest("g0", done.prompt_token_ids, 1, params, (done,))]))

@@ -242,7 +242,10 @@ def test_injected_faults_are_labelled_kept_out_of_the_loss_and_the_round_complet
                 "timeout_s": 0.5,
                 "max_infra_failure_rate": 0.5,
             },
-            "rollout": {"samples_per_prompt": 4, "max_tokens": 3},
+            # Every sample waits for its verdict: with partial rollouts the hanging call's sample could be
+            # carried over unverified (the pool stops waiting on a slow environment), and this round must
+            # store each injected fault.
+            "rollout": {"samples_per_prompt": 4, "max_tokens": 3, "partial_rollouts": False},
             "train": {"groups_per_step": 4, "steps_per_round": 2},
         }
     )

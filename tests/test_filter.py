@@ -60,3 +60,34 @@ def test_only_the_first_target_groups_are_kept():
     out = apply_decisions(rows, decide(rows, FilterConfig()), target_groups=1)
     by_group = {(r["group_id"], r["kept"], r["drop_reason"]) for r in out}
     assert by_group == {("a", True, None), ("b", False, DROP_ZERO_VARIANCE), ("c", False, DROP_OVERFLOW)}
+
+
+@pytest.mark.parametrize(
+    "lengths, kept, expected",
+    [
+        # no bias: every length kept as often as generated
+        ([1, 2, 3, 4], [True, True, True, True], {"filter/length_bias": 1.0, "filter/length_q4_kept_share": 0.25}),
+        # only short completions kept: the longest quartile is generated but never trained on
+        (
+            [1, 2, 3, 4],
+            [True, True, False, False],
+            {
+                "filter/length_q4_generated_share": 0.25,
+                "filter/length_q4_kept_share": 0.0,
+                "filter/length_bias": 1.5 / 2.5,
+            },
+        ),
+        # repeated lengths: fewer buckets, none empty
+        (
+            [3, 3, 3, 4],
+            [True, False, True, True],
+            {"filter/length_q1_max_tokens": 3, "filter/length_q2_max_tokens": 4, "filter/length_q2_kept_share": 1 / 3},
+        ),
+    ],
+)
+def test_length_bias(lengths, kept, expected):
+    from tasks.filter import length_bias
+
+    stats = length_bias([{"completion_token_ids": [0] * n, "kept": k} for n, k in zip(lengths, kept)])
+    assert {k: stats[k] for k in expected} == pytest.approx(expected)
+    assert "filter/length_q3_max_tokens" not in stats or len(set(lengths)) > 2

@@ -90,6 +90,9 @@ def test_sigkilled_campaign_leaves_nothing_after_the_next_start(tmp_path, seed_b
             time.sleep(0.5)
             servers = _server_children(campaign.pid)
         assert servers, "the campaign never started Prefect's ephemeral server"
+        time.sleep(15)  # past its start-up: a server that lost its port race exits and is replaced
+        servers = _server_children(campaign.pid)
+        assert servers, "the campaign's ephemeral server did not stay up"
         campaign.kill()
         campaign.wait()
         time.sleep(1)

@@ -258,6 +258,35 @@ def test_every_round_stage_declares_a_typed_result():
     for task in stage_tasks:
         declared_inputs(stage_function(task))  # raises without a StageResult return type
     assert "temperature" in declared_inputs(stage_function(tasks.train_task))[0]
+
+
+def test_the_carry_over_a_round_resumes_and_stages_is_part_of_its_keys(tmp_path):
+    """Rollout resumes the previous version's carry-over and filter commits the staged one: another
+    carry-over is another input, and so are the partial-rollout settings."""
+    from flows import tasks
+    from flows.stages import declared_inputs, inputs_key, stage_function
+    from tasks.prompts import PromptsConfig
+    from tasks.rollout import RolloutConfig
+    from tasks.verifiers.config import VerifyConfig
+
+    rollout, filtering = stage_function(tasks.rollout_task), stage_function(tasks.filter_task)
+    assert "carry_from" in declared_inputs(rollout)[0] and "carryover" in declared_inputs(filtering)[0]
+    args = dict(
+        ctx=_ctx(tmp_path),
+        prompts=PromptsConfig(),
+        rollout=RolloutConfig(),
+        verify=VerifyConfig(),
+        filtering=FilterConfig(),
+        target_groups=2,
+        carry_from="/v1",
+    )
+    key = inputs_key("rollout", rollout, args)
+    assert inputs_key("rollout", rollout, {**args, "carry_from": "/v1-other"}) != key
+    assert inputs_key("rollout", rollout, {**args, "carry_from": None}) != key
+    assert inputs_key("rollout", rollout, {**args, "rollout": RolloutConfig(partial_rollouts=False)}) != key
+    assert inputs_key("rollout", rollout, {**args, "rollout": RolloutConfig(verdict_wait_s=0.5)}) != key
+    staged = dict(ctx=_ctx(tmp_path), staging="/s", config=FilterConfig(), target_groups=2, rollout_stats={})
+    assert inputs_key("filter", filtering, {**staged, "carryover": "/c"}) != inputs_key("filter", filtering, staged)
     assert "stats" not in declared_inputs(stage_function(tasks.record_round_task))[0]
 
 

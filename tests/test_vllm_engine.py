@@ -170,6 +170,59 @@ def test_weights_are_replaced_in_place_and_samples_record_the_new_version(served
     assert {s.group_id: s.token_ids for s in engine.generate(_requests(tok, 1, greedy))} == before
 
 
+def test_stopped_requests_come_back_partial_and_resume_under_new_weights(served, storage, tmp_path):
+    from models.policy import save_policy
+    from tasks.engines import serving_engine
+
+    engine, tok = served
+    params = SamplingParams(temperature=1.0, max_tokens=12, seed=4)
+    steps = 0
+
+    def stop_after_four_steps() -> bool:
+        nonlocal steps
+        steps += 1
+        return steps > 4
+
+    first = list(engine.generate(_requests(tok, 4, params), stop_after_four_steps))
+    assert len(first) == 4 * len(PROMPTS) and engine.llm.llm_engine.get_num_unfinished_requests() == 0
+    partial = [s for s in first if s.partial]
+    assert partial and all(
+        0 < len(s.token_ids) < 12 and s.token_policy_versions == [0] * len(s.token_ids) for s in partial
+    )
+
+    old, _ = load_policy(storage[1])
+    new, _ = load_policy(storage[1])
+    torch.manual_seed(6)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    save_policy(new, tok, str(tmp_path))
+    try:
+        serving_engine("vllm", str(tmp_path), "float32", 1)
+        resume = [
+            GroupRequest(
+                r.group_id, r.prompt_token_ids, r.n, r.sampling, tuple(s for s in partial if s.group_id == r.group_id)
+            )
+            for r in _requests(tok, 4, params)
+            if any(s.group_id == r.group_id for s in partial)
+        ]
+        done = {(s.group_id, s.sample_index): s for s in engine.generate(resume)}
+    finally:
+        serving_engine("vllm", storage[1], "float32", 0)  # back to the base for the round below
+    assert len(done) == len(partial)
+    for before in partial:
+        after = done[(before.group_id, before.sample_index)]
+        k = len(before.token_ids)
+        assert after.finish_reason in ("stop", "length") and after.token_ids[:k] == before.token_ids
+        assert after.token_policy_versions == [0] * k + [1] * (len(after.token_ids) - k)
+        batch = pack_sequences([list(after.prompt_token_ids)], [after.token_ids], tok.pad_token_id)
+        width = batch.input_ids.shape[1] - len(after.token_ids)
+        with torch.no_grad():
+            under = [token_logprobs(m, batch, temperature=1.0)[0, width - 1 :] for m in (old, new)]  # [T] each
+        got = torch.tensor(after.logprobs)
+        assert torch.allclose(got[:k], under[0][:k], atol=1e-4) and torch.allclose(got[k:], under[1][k:], atol=1e-4)
+
+
 # -- a real round ---------------------------------------------------------------------------------
 
 

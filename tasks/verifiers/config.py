@@ -1,4 +1,5 @@
-"""How finished samples are scored: the verifier, its pool, and the limits each verifier runs under."""
+"""How finished samples are scored: the verifier, its pool, the limits each verifier runs under, and the
+optional simulated environment in front of it."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from pydantic import Field
 
 from tasks.config_base import Config
 from tasks.verifiers.sandbox import SandboxLimits
+from tasks.verifiers.simulated_env import SimulatedEnvironmentConfig
 
 
 class VerifyConfig(Config):
@@ -33,3 +35,7 @@ class VerifyConfig(Config):
     infra_failure (the verifier's slowness, not the model's)."""
     sandbox: SandboxLimits = SandboxLimits()
     """Resource limits of the 'python' verifier's sandbox, per sample."""
+    simulated_environment: SimulatedEnvironmentConfig | None = None
+    """SIMULATION (tasks/verifiers/simulated_env.py): rollout's verifier calls wait a seeded long-tailed
+    delay and may fail, standing for a remote environment; no remote service is called. Held-out
+    evaluation never goes through it. None: no simulated delay or failure."""

@@ -3,6 +3,10 @@
 A verifier's module declares its ``VERSION`` (bumped when its rules change); a ``VerifierSpec`` ties
 a name to that version and to how the verifier is built from ``VerifyConfig`` (the sandbox limits,
 the math deadline). Importing this module is cheap: math-verify and the sandbox start on first use.
+
+Rollout scores through ``rollout_verifier``: the same verifier, behind the simulated environment
+(``simulated_env``, a simulation) when ``verify.simulated_environment`` is set; ``rollout_verifier_version``
+then names both versions. Held-out evaluation uses ``get_verifier``, never the simulation.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tasks.verifiers import addition, math, sandbox
+from tasks.verifiers import addition, longtail, math, sandbox, simulated_env
 from tasks.verifiers.config import VerifyConfig
 from tasks.verifiers.outcome import Verifier
 
@@ -29,6 +33,7 @@ VERIFIERS: dict[str, VerifierSpec] = {
     "python": VerifierSpec(
         sandbox.VERSION, lambda config: functools.partial(sandbox.verify_python, limits=config.sandbox)
     ),
+    "longtail": VerifierSpec(longtail.VERSION, lambda config: longtail.verify_longtail),
 }
 
 
@@ -47,3 +52,19 @@ def get_verifier(name: str, config: VerifyConfig | None = None) -> Verifier:
 
 def verifier_version(name: str) -> str:
     return _spec(name).version
+
+
+def rollout_verifier(name: str, config: VerifyConfig, round_seed: int) -> Verifier:
+    """The verifier rollout scores with: ``get_verifier``'s, behind the simulated environment when
+    ``config.simulated_environment`` is set (its draws depend on ``round_seed``)."""
+    return simulated_env.with_simulated_environment(
+        get_verifier(name, config), config.simulated_environment, round_seed
+    )
+
+
+def rollout_verifier_version(name: str, config: VerifyConfig) -> str:
+    """The version recorded beside rollout's rewards: the verifier's, plus the simulation's when it is on."""
+    version = verifier_version(name)
+    if config.simulated_environment is None:
+        return version
+    return f"{version}+simulated-env-{simulated_env.VERSION}"

@@ -1,0 +1,138 @@
+"""The tails of the long-tail preset, measured: base build, completion lengths, environment latency.
+
+1. Base: builds the preset's base policy under ``--storage`` (or finds it cached) and prints its build
+   seconds and greedy held-out accuracy, as recorded in its lineage.json.
+2. Completion lengths on the base policy: ``--groups`` prompts from the preset's stream, sampled as the
+   preset's rollout samples them (temperature, samples per prompt, max_tokens); p50/p90/p99/max in
+   tokens (end-of-sequence included), the share cut at max_tokens, and p99 / p50.
+3. Environment latency (a SIMULATION, tasks/verifiers/simulated_env.py): every one of those samples is
+   verified through the preset's simulated environment in a real verifier pool; p50/p90/p99/max of the
+   measured seconds per call, and p99 / p50.
+
+    python benchmarks/long_tail.py [--storage DIR] [--groups 256] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import warnings
+
+
+def quantiles(values: list[float]) -> dict[str, float]:
+    ordered = sorted(values)
+
+    def at(q: float) -> float:  # nearest-rank, as rollout_stats
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    return {"p50": at(0.5), "p90": at(0.9), "p99": at(0.99), "max": ordered[-1]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--storage", default="./rlrounds-data", help="storage root whose base/ caches the base policy")
+    parser.add_argument("--preset", default="long-tail")
+    parser.add_argument("--groups", type=int, default=256, help="prompts sampled (each samples_per_prompt times)")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--json", help="write the figures here")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+    from flows.config import load_campaign_config
+    from models.engine import GroupRequest, SamplingParams
+    from tasks.base import run_prepare_base
+    from tasks.engines import make_engine
+    from tasks.prompts import prompt_stream
+    from tasks.verifiers.pool import VerifierPool
+    from tasks.verifiers.registry import rollout_verifier
+
+    rc = load_campaign_config(None, args.preset).round
+    start = time.perf_counter()
+    base = run_prepare_base(
+        storage=args.storage, base_model=rc.policy.base_model, progress=lambda m: print(f"  {m}", flush=True)
+    )
+    with open(os.path.join(base.checkpoint, "lineage.json")) as f:
+        meta = json.load(f)
+    figures: dict = {
+        "base": {
+            "name": base.base_model,
+            "built_now": base.built,
+            "build_seconds": meta["build_seconds"],
+            "steps": meta["steps"],
+            "held_out_accuracy": meta["held_out_accuracy"],
+        }
+    }
+    print(
+        f"base {base.base_model}: {'built' if base.built else 'cached'}, build {meta['build_seconds']} s "
+        f"({meta['steps']} steps), greedy held-out accuracy {meta['held_out_accuracy']:.1%}"
+        + (f"; this run {time.perf_counter() - start:.0f} s" if base.built else ""),
+        flush=True,
+    )
+
+    engine, tokenizer = make_engine(
+        rc.rollout.engine, base.checkpoint, rc.rollout.dtype, policy_version=0, max_batch=rc.rollout.max_batch
+    )
+    sampling = SamplingParams(rc.rollout.temperature, rc.rollout.top_p, rc.rollout.max_tokens, args.seed)
+    stream = prompt_stream(rc.prompts, args.seed)
+    prompts = {f"g{i}": next(stream) for i in range(args.groups)}
+    requests = [
+        GroupRequest(gid, tuple(tokenizer(p.text)["input_ids"]), rc.rollout.samples_per_prompt, sampling)
+        for gid, p in prompts.items()
+    ]
+    start = time.perf_counter()
+    samples = list(engine.generate(requests))
+    gen_s = time.perf_counter() - start
+    lengths = quantiles([len(s.token_ids) for s in samples])
+    cut = sum(s.finish_reason == "length" for s in samples) / len(samples)
+    figures["completion_tokens"] = {
+        **lengths,
+        "p99_over_p50": lengths["p99"] / lengths["p50"],
+        "cut_at_max_tokens": cut,
+        "samples": len(samples),
+        "max_tokens": rc.rollout.max_tokens,
+    }
+    print(
+        f"completion tokens over {len(samples)} samples ({args.groups} prompts x {rc.rollout.samples_per_prompt}, "
+        f"temperature {rc.rollout.temperature}, max_tokens {rc.rollout.max_tokens}, {gen_s:.1f} s): "
+        f"p50 {lengths['p50']} p90 {lengths['p90']} p99 {lengths['p99']} max {lengths['max']}; "
+        f"p99/p50 {lengths['p99'] / lengths['p50']:.1f}; {cut:.1%} cut at max_tokens",
+        flush=True,
+    )
+
+    env = rc.verify.simulated_environment
+    verifier = rollout_verifier(rc.verifier, rc.verify, round_seed=args.seed)
+    start = time.perf_counter()
+    with VerifierPool(verifier, rc.verify.workers) as pool:
+        futures = [
+            pool.submit(tokenizer.decode(s.token_ids, skip_special_tokens=True), prompts[s.group_id].reference)
+            for s in samples
+        ]
+        verdicts = [f.result() for f in futures]
+    verify_s = time.perf_counter() - start
+    latency = quantiles([v.latency_s for v in verdicts])
+    success = sum(v.reward == 1.0 for v in verdicts) / len(verdicts)
+    figures["environment_latency_s"] = {
+        **latency,
+        "p99_over_p50": latency["p99"] / latency["p50"],
+        "workers": rc.verify.workers,
+        "simulated": env.model_dump() if env else None,
+    }
+    figures["sampled_success_rate"] = success
+    print(
+        f"environment latency (SIMULATED: {env.model_dump() if env else 'none'}), {rc.verify.workers} workers, "
+        f"{verify_s:.1f} s: p50 {latency['p50'] * 1e3:.0f} ms p90 {latency['p90'] * 1e3:.0f} ms "
+        f"p99 {latency['p99'] * 1e3:.0f} ms max {latency['max'] * 1e3:.0f} ms; "
+        f"p99/p50 {latency['p99'] / latency['p50']:.1f}; "
+        f"sampled success rate {success:.1%}",
+        flush=True,
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""The built-in tasks and the base policy each one starts from.
+
+One entry per built-in base: what ``policy.base_model`` and ``prompts.source`` name it, the task's
+data module (seeded prompt streams, fixed held-out set), its characters, and the deterministic
+recipe of its base policy, cached under ``<root>/base/<cache_name>/``. Bump a task's recipe version
+when its recipe or data change: the cache name changes with it, so no stale base is reused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+from models import addition, longtail
+from models.recipe import RECIPE_VERSION, BaseRecipe
+from models.tokenizer import CHARACTERS
+
+
+@dataclass(frozen=True)
+class BuiltinTask:
+    base_model: str
+    """The value of ``policy.base_model`` that selects this base."""
+    source: str
+    """The value of ``prompts.source`` that streams this task's prompts."""
+    task: str
+    """Task name on every row; also the verifier's name."""
+    data: ModuleType
+    """Prompt data: ``prompt_stream(seed)``, ``training_prompts(seed, count)``, ``held_out_prompts()``,
+    ``longest_prompt()``."""
+    characters: str
+    """The character tokenizer's alphabet (after pad/bos/eos/unk)."""
+    answer_tokens: int
+    """New tokens the recipe's greedy accuracy checks allow: the longest correct answer plus end-of-sequence."""
+    recipe: BaseRecipe
+    recipe_version: str
+    policy_name: str
+    """Name recorded in the base checkpoint's lineage.json."""
+
+    @property
+    def cache_name(self) -> str:
+        return f"builtin-{self.task}-v{self.recipe_version}"
+
+
+BUILTINS: dict[str, BuiltinTask] = {
+    "builtin": BuiltinTask(
+        "builtin",
+        "builtin:addition",
+        addition.TASK_NAME,
+        addition,
+        "".join(CHARACTERS),
+        8,
+        BaseRecipe(),
+        RECIPE_VERSION,
+        "builtin-addition-llama",
+    ),
+    # Longer sequences than addition: the counted-down answers reach 84 tokens and rollout lets wrong
+    # ones run on, so the model gets 128 positions. Smaller, faster steps than addition's recipe keep the
+    # build near a minute and a half on a busy 2-core machine; one thread, because two threads spin
+    # against each other when the cores are shared.
+    "builtin-longtail": BuiltinTask(
+        "builtin-longtail",
+        "builtin:longtail",
+        longtail.TASK_NAME,
+        longtail,
+        longtail.CHARACTERS,
+        88,
+        BaseRecipe(
+            batch_size=64,
+            learning_rate=2e-3,
+            threads=1,
+            max_position_embeddings=128,
+            length_buckets=4,
+            teacher_forced_checks=True,
+        ),
+        "1",
+        "builtin-longtail-llama",
+    ),
+}
+BUILTIN_SOURCES: dict[str, BuiltinTask] = {b.source: b for b in BUILTINS.values()}

@@ -1,0 +1,291 @@
+"""The ready pool: groups in, trainable groups out, and the round stops the moment it has enough.
+
+One round's collection, as an object the rollout stage drives:
+
+    pool = ReadyPool(submit, decode, is_trainable, target_groups, PoolLimits(...))
+    pool.carry_in(carried)                                   # last round's unfinished groups, resumed first
+    for sample in engine.generate(pool.feed(fresh, max_fresh), pool.should_stop):
+        pool.on_sample(sample)                               # finished samples go to the verifier at once
+    harvest = pool.finish()                                  # ready groups + the carry-over
+
+- Feeding is lazy and over-provisioned: the engine pulls groups as it has room, carried groups first,
+  then fresh ones (at most ``max_fresh``), and feeding ends once the target is reached.
+- A finished sample is verified while the others still generate; at most ``max_outstanding``
+  verifications are in flight, the rest wait here (so a round that ends leaves little environment
+  work behind, and what it leaves is carried, not lost).
+- A group is ready when every one of its samples is finished and verified; it counts toward the
+  target when it would survive filtering (``is_trainable``).
+- With ``stop_in_flight`` the engine is told to stop (``should_stop``) once the target is reached;
+  its unfinished samples come back partial and are carried over with their prefixes, as are
+  finished samples still waiting on the environment. Without it, samples in flight run to the end.
+
+Determinism. The stop decision depends on verdicts, which arrive on other threads. While the
+environment answers within ``verdict_wait_s``, the pool waits for the verdicts of every generated
+group whenever they could change the decision, so the stop point (and so every row and prefix) is a
+function of the generated samples alone. A verdict that does not come within ``verdict_wait_s`` turns
+that off for the rest of the round: a slow environment is never waited for again, and the stop point
+then depends on its timing, as it must.
+
+Every group handed to the engine ends in exactly one of ``harvest.ready`` and ``harvest.carry``, and
+every sample of a carried group is either finished (with or without its verdict) or partial.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from models.engine import GeneratedSample, GroupRequest, unstarted
+
+PARTIAL, UNVERIFIED, VERIFIED = "partial", "unverified", "verified"  # a carried sample's state
+
+
+@dataclass
+class Slot:
+    """One sample of a group: finished (``sample`` set, not partial), with its verdict once verified."""
+
+    index: int
+    sample: GeneratedSample | None = None
+    text: str | None = None
+    verdict: Any = None
+    verified_at: float | None = None
+    carried_partial: GeneratedSample | None = None  # a prefix to resume (or the one it was stopped with)
+
+    @property
+    def finished(self) -> bool:
+        return self.sample is not None and not self.sample.partial
+
+    @property
+    def state(self) -> str:
+        return VERIFIED if self.verdict is not None else UNVERIFIED if self.finished else PARTIAL
+
+
+@dataclass
+class Group:
+    """One prompt x n samples, as the pool tracks it. ``meta`` is the caller's (the prompt record)."""
+
+    request: GroupRequest
+    reference: str
+    meta: Any
+    enqueued_at: float
+    slots: list[Slot] = field(default_factory=list)
+    generated_seq: int | None = None  # order in which its last sample finished (the rows' order)
+    carried: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.slots:
+            self.slots = [Slot(i) for i in range(self.request.n)]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.slots)
+
+    @property
+    def verified(self) -> bool:
+        return all(s.verdict is not None for s in self.slots)
+
+    def resume_request(self) -> GroupRequest | None:
+        """The engine request for this group's unfinished samples, or None when all are finished."""
+        todo = [
+            s.carried_partial or unstarted(self.request, s.index, time.time()) for s in self.slots if not s.finished
+        ]
+        if not todo:
+            return None
+        return GroupRequest(
+            self.request.group_id, self.request.prompt_token_ids, self.request.n, self.request.sampling, tuple(todo)
+        )
+
+
+@dataclass(frozen=True)
+class PoolLimits:
+    max_outstanding: int = 4
+    """Verifications in flight at once; more finished samples wait in the pool."""
+    verdict_wait_s: float = 0.1
+    """How long a decision may wait for verdicts before the environment counts as slow (see module doc)."""
+    stop_in_flight: bool = True
+    """Stop the engine's unfinished samples once the target is reached, and carry them over."""
+
+
+@dataclass
+class Harvest:
+    ready: list[Group]  # every sample finished and verified, in the order the groups finished generating
+    carry: list[Group]  # the rest: partial samples, and finished samples still waiting on the environment
+    trainable: int
+    batch_ready_at: float | None  # when the pool first held the target number of trainable groups
+    stopped_at: float | None  # when the engine was told to stop
+    abandoned: int  # verifications left running (their samples are carried and verified again later)
+    waited_for_slow_environment: bool  # False: the stop point was decided by generated samples alone
+
+
+class ReadyPool:
+    def __init__(
+        self,
+        submit: Callable[[str, str], Future],
+        decode: Callable[[list[int]], str],
+        is_trainable: Callable[[list[Any]], bool],
+        target_groups: int,
+        limits: PoolLimits = PoolLimits(),
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._submit, self._decode, self._is_trainable = submit, decode, is_trainable
+        self.target = target_groups
+        self.limits = limits
+        self._clock = clock
+        self.groups: dict[str, Group] = {}  # every group handed to the engine (or carried in), in order
+        self._carried: list[Group] = []
+        self._backlog: deque[tuple[Group, Slot]] = deque()  # finished samples waiting for a verifier
+        self._outstanding: dict[Future, tuple[Group, Slot]] = {}
+        self._unresolved: dict[str, Group] = {}  # generated groups without every verdict
+        self._generated = 0
+        self.trainable = 0
+        self.batch_ready_at: float | None = None
+        self.stopped_at: float | None = None
+        self._patient = limits.verdict_wait_s > 0
+
+    # -- feeding -----------------------------------------------------------------------------------
+
+    def carry_in(self, groups: Iterable[Group]) -> None:
+        """Last round's unfinished groups: their finished-but-unverified samples go to the verifier
+        now, their partial samples are resumed first by ``feed``."""
+        for group in groups:
+            group.carried, group.generated_seq = True, None
+            self.groups[group.request.group_id] = group
+            self._carried.append(group)
+            for slot in group.slots:
+                if slot.finished and slot.verdict is None:
+                    self._backlog.append((group, slot))
+            self._check_generated(group)
+        self._collect()
+
+    def feed(self, fresh: Iterable[Group], max_fresh: int) -> Iterator[GroupRequest]:
+        """Carried groups' unfinished samples, then fresh groups until the target is reached."""
+        for group in self._carried:
+            request = group.resume_request()
+            if request is not None:
+                yield request
+        count = 0
+        for group in fresh:
+            if count >= max_fresh or self.batch_full():
+                return
+            count += 1
+            self.groups[group.request.group_id] = group
+            yield group.request
+
+    def batch_full(self) -> bool:
+        """Does the pool hold the target number of trainable groups? (May wait: see module doc.)"""
+        self._collect()
+        if self.trainable < self.target and self._patient and self.trainable + len(self._unresolved) >= self.target:
+            self._wait(lambda: self.trainable >= self.target or not self._unresolved)
+        return self.trainable >= self.target
+
+    def should_stop(self) -> bool:
+        """Polled by the engine before each step: stop the samples still generating?"""
+        if self.stopped_at is None and self.limits.stop_in_flight and self.batch_full():
+            self.stopped_at = self._clock()
+        return self.stopped_at is not None
+
+    # -- samples -----------------------------------------------------------------------------------
+
+    def on_sample(self, sample: GeneratedSample) -> None:
+        group = self.groups.get(sample.group_id)
+        if group is None:
+            raise KeyError(f"the engine returned a sample of group {sample.group_id}, which this pool never fed")
+        slot = group.slots[sample.sample_index]
+        if slot.finished:
+            raise ValueError(f"sample {sample.group_id}/{sample.sample_index} was returned twice")
+        if sample.partial:
+            slot.carried_partial = sample
+        else:
+            slot.sample, slot.carried_partial = sample, None
+            slot.text = self._decode(sample.token_ids)
+            self._backlog.append((group, slot))
+            self._check_generated(group)
+        self._collect()
+
+    def finish(self) -> Harvest:
+        """Close the round's collection. After a stop, verdicts still out are waited for only while the
+        environment counts as fast; otherwise (no stop: the target was not reached, or samples ran to
+        the end) every verdict is waited for."""
+        now = self._clock()
+        for group in self.groups.values():  # an engine that ended without answering for a sample: keep it
+            for slot in group.slots:
+                if not slot.finished and slot.carried_partial is None:
+                    slot.carried_partial = unstarted(group.request, slot.index, now)
+        if self.stopped_at is None:
+            while self._backlog or self._outstanding:
+                self._pump()
+                concurrent.futures.wait(list(self._outstanding), return_when=concurrent.futures.FIRST_COMPLETED)
+                self._collect()
+        elif self._patient:
+            self._wait(lambda: not self._backlog and not self._outstanding)
+        self._collect()
+        ready = sorted((g for g in self.groups.values() if g.verified), key=lambda g: g.generated_seq)
+        carry = [g for g in self.groups.values() if not g.verified]
+        for group in carry:  # their verdicts are not read any more: they are verified again when carried in
+            for slot in group.slots:
+                if slot.verdict is None:
+                    slot.verified_at = None
+        return Harvest(
+            ready,
+            carry,
+            self.trainable,
+            self.batch_ready_at,
+            self.stopped_at,
+            len(self._outstanding),
+            not self._patient,
+        )
+
+    # -- internals ---------------------------------------------------------------------------------
+
+    def _check_generated(self, group: Group) -> None:
+        if group.generated_seq is None and group.finished:
+            group.generated_seq = self._generated
+            self._generated += 1
+            self._unresolved[group.request.group_id] = group
+            self._resolve(group)
+
+    def _pump(self) -> None:
+        while self._backlog and len(self._outstanding) < self.limits.max_outstanding:
+            group, slot = self._backlog.popleft()
+            future = self._submit(slot.text or "", group.reference)
+            future.add_done_callback(lambda _f, s=slot, clock=self._clock: setattr(s, "verified_at", clock()))
+            self._outstanding[future] = (group, slot)
+
+    def _collect(self) -> None:
+        """Read the verdicts that have arrived, hand waiting samples to the verifier, count ready groups."""
+        while True:
+            done = [f for f in self._outstanding if f.done()]
+            for future in done:
+                group, slot = self._outstanding.pop(future)
+                slot.verdict = future.result()
+                self._resolve(group)
+            self._pump()
+            if not done:
+                return
+
+    def _resolve(self, group: Group) -> None:
+        if group.request.group_id in self._unresolved and group.verified:
+            del self._unresolved[group.request.group_id]
+            if self._is_trainable([s.verdict for s in group.slots]):
+                self.trainable += 1
+                if self.trainable == self.target:
+                    self.batch_ready_at = self._clock()
+
+    def _wait(self, until: Callable[[], bool]) -> None:
+        """Wait for verdicts until ``until()`` holds; past ``verdict_wait_s`` the environment is slow."""
+        deadline = time.monotonic() + self.limits.verdict_wait_s
+        self._collect()
+        while not until():
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._outstanding:
+                self._patient = False
+                return
+            concurrent.futures.wait(
+                list(self._outstanding), timeout=left, return_when=concurrent.futures.FIRST_COMPLETED
+            )
+            self._collect()

@@ -155,11 +155,11 @@ def train_policy(model, pad_token_id: int, batches: list[TrainBatch], config: Tr
         if ref_model is not None and config.kl_coef > 0:
             with torch.no_grad():
                 ref = token_logprobs(ref_model, tokens, temperature, top_ps[step])
-        # Engine vs trainer on every minibatch, before its update, over the tokens the parent's weights
-        # sampled (a carried-over token's gap is staleness, not mismatch). With the proximal pass the
-        # trainer's side is at the sampling weights (numerics alone); without it (the fp32 embedded
-        # engine, where the two agree to ~1e-6) minibatch k is scored k steps past them, so the figure
-        # also holds the round's own drift, which is what the ratio corrects there.
+        # Engine vs trainer on every minibatch, before its update. With the proximal pass the trainer's
+        # side is at the sampling weights (numerics alone); without it (the fp32 embedded engine, where
+        # the two agree to ~1e-6) minibatch k is scored k steps past them, so the figure also holds
+        # the round's own drift, which is what the ratio corrects there. Only tokens sampled by the
+        # parent policy count: a carried-over token's gap is staleness, not mismatch.
         versions = aligned(batch.policy_versions, prompt_width, total, fill=-1)  # [B, T-1]
         current = (versions == current_version).float()  # [B, T-1]
         mismatch.append(logprob_mismatch(proximal[step] if proximal else logp.detach(), behaviour, mask * current))
@@ -245,9 +245,9 @@ def needs_proximal(
 
     'auto' skips it only when every sample came from the embedded engine at float32 without a nucleus
     (top_p 1), whose logprobs match the trainer's to ~1e-6, and every token was sampled by the parent
-    policy. Any other engine (vLLM: other kernels, batching) or precision needs it; so does top_p < 1:
-    a 1e-6 difference in logits can move a token across the nucleus boundary, which changes the
-    renormaliser by that token's whole mass; and so do tokens of an older policy version (carried-over
+    policy. Any other engine (vLLM: other kernels, batching) or precision needs it; so does top_p < 1
+    (a 1e-6 difference in logits can move a token across the nucleus boundary, which changes the
+    renormaliser by that token's whole mass); and so do tokens of an older policy version (carried-over
     partial rollouts): the PPO ratio is then taken against the parent policy and the truncated
     importance weight corrects for the older behaviour policy.
     """

@@ -177,7 +177,9 @@ def test_a_round_on_two_replicas_completes_every_group_with_the_usual_rows(campa
     assert len({r["group_id"] for r in rows if r["kept"]}) == 8
     assert result["rounds"][1]["accuracy"] >= 0.0
 
-    # publish reached the replicas in place: the campaign's one engine is the router, serving round 1 when
-    # the campaign released it (its actors gone with it: a worker process keeps nothing of a finished campaign)
-    ((engine, versions),) = released
+    # publish reached the replicas in place: the router was serving round 1 when the campaign released it
+    # at its end (its actors gone with it: a worker process keeps nothing of a finished campaign). Before
+    # it, the base's evaluation engine was closed when rollout asked for two replicas.
+    (*replaced, (engine, versions)) = released
     assert isinstance(engine, ReplicaRouter) and engine.replicas == 2 and versions == [1, 1]
+    assert not any(isinstance(e, ReplicaRouter) for e, _ in replaced)

@@ -1,0 +1,90 @@
+"""One round's rollout on the built-in base: time to a trainable batch and samples generated, with partial
+rollouts on (the default) and off, measured in one run.
+
+    python benchmarks/rollout_round.py --storage DIR [--groups 1024] [--repeats 2] [--json PATH]
+
+DIR is a storage root; the built-in base is built there on first use (a minute or two) and reused after.
+Each repeat runs both modes back to back, so the ratio compares like with like on a shared machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+
+def one_round(engine, tokenizer, groups: int, partial: bool, seed: int) -> dict:
+    from tasks.filter import FilterConfig
+    from tasks.prompts import PromptsConfig
+    from tasks.rollout import RolloutConfig, generate_and_verify
+    from tasks.verifiers.config import VerifyConfig
+
+    start = time.perf_counter()
+    result = generate_and_verify(
+        engine=engine,
+        tokenizer=tokenizer,
+        prompts=PromptsConfig(),
+        rollout=RolloutConfig(partial_rollouts=partial),
+        verify=VerifyConfig(),
+        filtering=FilterConfig(),
+        target_groups=groups,
+        seed=seed,
+        run_id="bench",
+        round_index=1,
+    )
+    return {
+        "seconds": time.perf_counter() - start,
+        "time_to_trainable_batch_s": result.stats["rollout/time_to_trainable_batch_s"],
+        "rows": len(result.rows),
+        "carried_samples": len(result.carry_rows),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--storage", required=True)
+    parser.add_argument(
+        "--groups", type=int, default=1024, help="trainable groups per round (default: the default round's)"
+    )
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--json", help="write the figures here")
+    args = parser.parse_args()
+
+    from storage import checkpoints
+    from storage.paths import StorageRoot
+    from tasks.base import run_prepare_base
+    from tasks.engines import build_engine, load_tokenizer
+
+    base = run_prepare_base(storage=args.storage, base_model="builtin")
+    local = checkpoints.local_copy(StorageRoot.of(args.storage), base.checkpoint)
+    engine = build_engine("embedded", local, "float32", 0, 1024)
+    tokenizer = load_tokenizer(local)
+    runs: dict[str, list[dict]] = {"partial_rollouts": [], "run_to_completion": []}
+    for repeat in range(args.repeats):
+        for mode, partial in (("partial_rollouts", True), ("run_to_completion", False)):
+            runs[mode].append(one_round(engine, tokenizer, args.groups, partial, seed=repeat))
+            r = runs[mode][-1]
+            print(
+                f"repeat {repeat} {mode:18s} time to trainable batch {r['time_to_trainable_batch_s']:6.2f} s, "
+                f"stage done {r['seconds']:6.2f} s, "
+                f"{r['rows']} rows kept for filtering, {r['carried_samples']} samples carried over",
+                flush=True,
+            )
+    summary = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in runs.items()}
+    ratio = (
+        summary["run_to_completion"]["time_to_trainable_batch_s"]
+        / summary["partial_rollouts"]["time_to_trainable_batch_s"]
+    )
+    print(
+        f"median time to a trainable batch: partial {summary['partial_rollouts']['time_to_trainable_batch_s']:.2f} s, "
+        f"run to completion {summary['run_to_completion']['time_to_trainable_batch_s']:.2f} s ({ratio:.2f}x)"
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"median": summary, "ratio_run_to_completion_over_partial": ratio, "runs": runs}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -246,17 +246,7 @@ def read_table(root: StorageRoot, manifest: Manifest, columns: Iterable[str] | N
 
     tables = []
     for part in manifest.parts:
-        path = child(manifest.directory, part["path"])
-        try:
-            with root.fs.open(path, "rb") as f:
-                blob = f.read()
-        except FileNotFoundError:
-            raise CorruptPartError(f"trajectory version {manifest.version}: part {path} is missing") from None
-        if sha256(blob) != part["sha256"]:
-            raise CorruptPartError(
-                f"trajectory version {manifest.version}: part {path} is corrupted (sha256 mismatch); "
-                "restore it from a copy or re-run the round"
-            )
+        blob = _read_verified(root, manifest, part["path"], part["sha256"], "part")
         table = pq.read_table(io.BytesIO(blob), columns=list(columns) if columns else None)
         tables.append(table)
     table = pa.concat_tables(tables) if tables else arrow_schema().empty_table()
@@ -270,15 +260,20 @@ def read_attachment(root: StorageRoot, manifest: Manifest, name: str) -> bytes |
     entry = (manifest.body.get("attachments") or {}).get(name)
     if entry is None:
         return None
+    return _read_verified(root, manifest, name, entry["sha256"], "attachment")
+
+
+def _read_verified(root: StorageRoot, manifest: Manifest, name: str, expected_sha256: str, what: str) -> bytes:
+    """A file the manifest lists, read whole and checked against its recorded sha256."""
     path = child(manifest.directory, name)
     try:
         with root.fs.open(path, "rb") as f:
             blob = f.read()
     except FileNotFoundError:
-        raise CorruptPartError(f"trajectory version {manifest.version}: attachment {path} is missing") from None
-    if sha256(blob) != entry["sha256"]:
+        raise CorruptPartError(f"trajectory version {manifest.version}: {what} {path} is missing") from None
+    if sha256(blob) != expected_sha256:
         raise CorruptPartError(
-            f"trajectory version {manifest.version}: attachment {path} is corrupted (sha256 mismatch); "
+            f"trajectory version {manifest.version}: {what} {path} is corrupted (sha256 mismatch); "
             "restore it from a copy or re-run the round"
         )
     return blob

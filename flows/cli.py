@@ -22,7 +22,7 @@ EXIT_USAGE = 2
 DEFAULT_ROUNDS = 45
 
 
-def _quiet_libraries(debug: bool) -> None:
+def quiet_libraries(debug: bool) -> None:
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "DEBUG" if debug else "WARNING")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -302,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    _quiet_libraries(args.debug)
+    quiet_libraries(args.debug)
     _setup_logging()
     from flows.orphans import mark_this_process, reap_orphans
 

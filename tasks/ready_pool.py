@@ -15,6 +15,9 @@ One round's collection, as an object the rollout stage drives:
   work behind, and what it leaves is carried, not lost).
 - A group is ready when every one of its samples is finished and verified; it counts toward the
   target when it would survive filtering (``is_trainable``).
+- ``feed_batch`` and ``drain`` instead give a synchronous barrier (generate a fixed batch, wait for every
+  sample and verdict, repeat while short of the target): the way most trainers collect, kept as the
+  baseline the ready pool is measured against (rollout.collection, benchmarks/batch_collection.py).
 - With ``stop_in_flight`` the engine is told to stop (``should_stop``) once the target is reached;
   its unfinished samples come back partial and are carried over with their prefixes, as are
   finished samples still waiting on the environment. Without it, samples in flight run to the end.
@@ -176,6 +179,27 @@ class ReadyPool:
             self.groups[group.request.group_id] = group
             yield group.request
 
+    def feed_batch(self, batch: Iterable[Group]) -> Iterator[GroupRequest]:
+        """A synchronous barrier's batch: carried groups' unfinished samples (the first time only), then
+        every group of ``batch``, whether or not the target is reached meanwhile. ``drain`` then waits
+        for every verdict before the caller decides whether to generate another batch."""
+        carried, self._carried = self._carried, []
+        for group in carried:
+            request = group.resume_request()
+            if request is not None:
+                yield request
+        for group in batch:
+            self.groups[group.request.group_id] = group
+            yield group.request
+
+    def drain(self) -> None:
+        """Wait for the verdict of every finished sample (the barrier)."""
+        self._collect()
+        while self._backlog or self._outstanding:
+            self._pump()
+            concurrent.futures.wait(list(self._outstanding), return_when=concurrent.futures.FIRST_COMPLETED)
+            self._collect()
+
     def batch_full(self) -> bool:
         """Does the pool hold the target number of trainable groups? (May wait: see module doc.)"""
         self._collect()
@@ -217,10 +241,7 @@ class ReadyPool:
                 if not slot.finished and slot.carried_partial is None:
                     slot.carried_partial = unstarted(group.request, slot.index, now)
         if self.stopped_at is None:
-            while self._backlog or self._outstanding:
-                self._pump()
-                concurrent.futures.wait(list(self._outstanding), return_when=concurrent.futures.FIRST_COMPLETED)
-                self._collect()
+            self.drain()
         elif self._patient:
             self._wait(lambda: not self._backlog and not self._outstanding)
         self._collect()

@@ -14,6 +14,7 @@ filter commits them with the version) and stats.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import threading
 import time
@@ -65,6 +66,11 @@ class RolloutConfig(Config):
     with one replica. Unset: a local Ray is started when replicas > 1."""
     max_prompts_factor: float = Field(8.0, ge=1.0)
     """Over-provisioning cap: at most this many times the target groups are generated per round."""
+    collection: Literal["ready_pool", "sync_barrier"] = "ready_pool"
+    """How a round collects its batch. 'ready_pool': prompts are fed as the engine has room, each sample
+    is verified as it finishes, feeding stops once enough groups are trainable. 'sync_barrier': the
+    baseline most trainers use (dynamic sampling): generate target_groups prompts at once, wait for every
+    sample and every verdict, repeat while short of the target; partial_rollouts does not apply."""
     partial_rollouts: bool = True
     """Once the trainable batch is full, stop the samples still generating and carry them (with the
     samples still waiting on the environment) over to the next round, which resumes them first under
@@ -154,19 +160,22 @@ def generate_and_verify(
         # 2.2x the samples and 4x the CPU seconds to a trainable batch on the default task).
         max_outstanding=max(2 * verify.workers, rollout.max_batch),
         verdict_wait_s=rollout.verdict_wait_s,
-        stop_in_flight=rollout.partial_rollouts,
+        stop_in_flight=rollout.partial_rollouts and rollout.collection == "ready_pool",
     )
     pool = ReadyPool(verifiers.submit, decode, trainable, target_groups, limits)
     harvest: Harvest | None = None
     try:
         pool.carry_in(carried)
-        seen = 0
-        requests = pool.feed(fresh(), int(target_groups * rollout.max_prompts_factor))
-        for sample in engine.generate(requests, pool.should_stop):
-            pool.on_sample(sample)
-            seen += 1
-            if progress and seen % 2048 == 0:
-                progress(f"rollout: {seen} samples, {pool.trainable}/{target_groups} trainable groups")
+        if rollout.collection == "sync_barrier":
+            _collect_in_barriers(engine, pool, fresh(), target_groups, progress)
+        else:
+            seen = 0
+            requests = pool.feed(fresh(), int(target_groups * rollout.max_prompts_factor))
+            for sample in engine.generate(requests, pool.should_stop):
+                pool.on_sample(sample)
+                seen += 1
+                if progress and seen % 2048 == 0:
+                    progress(f"rollout: {seen} samples, {pool.trainable}/{target_groups} trainable groups")
         harvest = pool.finish()
     finally:
         if harvest is not None and harvest.abandoned:
@@ -187,6 +196,23 @@ def generate_and_verify(
     carry_rows = [sample_row(g, slot, context) for g in harvest.carry for slot in g.slots]
     stats = {**rollout_stats(rows, carry_rows, harvest, carried, target_groups, start, end), **verifiers.stats()}
     return RolloutResult(rows=rows, carry_rows=carry_rows, stats=stats)
+
+
+def _collect_in_barriers(engine, pool: ReadyPool, fresh, target_groups: int, progress) -> None:
+    """The synchronous barrier: batches of ``target_groups`` prompts, each generated to its last sample
+    and verified to its last verdict before the pool is asked whether it holds enough trainable groups.
+    ``fresh`` ends at the over-provisioning cap."""
+    batch_index = 0
+    while not pool.batch_full():
+        batch = list(itertools.islice(fresh, target_groups))
+        if not batch:
+            return
+        for sample in engine.generate(pool.feed_batch(batch)):
+            pool.on_sample(sample)
+        pool.drain()
+        batch_index += 1
+        if progress:
+            progress(f"rollout: barrier {batch_index}, {pool.trainable}/{target_groups} trainable groups")
 
 
 def sample_row(group: Group, slot: Slot, context: dict) -> dict:

@@ -112,3 +112,15 @@ def test_without_partial_rollouts_stragglers_run_to_the_end(tiny_policy_dir):
     assert result.carry_rows == [] and result.stats["rollout/carried_out_partial_samples"] == 0
     # in-flight groups finished (batch_full later)
     assert result.stats["rollout/groups"] > result.stats["rollout/target_groups"]
+
+
+def test_a_synchronous_barrier_generates_whole_batches_of_the_target(tiny_policy_dir):
+    model, tok = load_policy(tiny_policy_dir)
+    engine = EmbeddedEngine(model, tok.eos_token_id, tok.pad_token_id, max_batch=ROLLOUT.max_batch)
+    rollout = ROLLOUT.model_copy(update={"collection": "sync_barrier"})  # partial_rollouts does not apply
+    result = _round(engine, tok, 1, rollout=rollout)
+    s = result.stats
+    assert result.carry_rows == [] and s["rollout/groups_trainable"] >= 3
+    # every group keeps every sample: whole batches of target_groups (3), generated and verified to the end
+    assert s["rollout/groups"] % 3 == 0 and len(result.rows) == 4 * s["rollout/groups"]
+    assert all(r["outcome"] and r["finish_reason"] in ("stop", "length") for r in result.rows)

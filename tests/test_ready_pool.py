@@ -297,3 +297,25 @@ def test_nothing_is_lost_when_the_round_ends():
     assert set(accounted(harvest)) == fed  # every sample handed out is ready or carried, once
     assert {g.request.group_id for g in harvest.ready}.isdisjoint(g.request.group_id for g in harvest.carry)
     assert sum(len(g.slots) for g in harvest.ready + harvest.carry) == len(fed)
+
+
+def test_a_synchronous_barrier_generates_whole_batches_and_waits_for_every_verdict():
+    # batch 1: g0, g1 (g0 untrainable); batch 2: g2, g3; the target (2) is met by g2, yet g3 runs to the end
+    lengths = {"g0": [2, 2], "g1": [2, 3], "g2": [4, 5], "g3": [2, 31], "g4": [2, 3]}
+    engine = ScriptedEngine(lengths, max_batch=16)
+    env = ScriptedEnvironment(jitter_s=0.01)
+    pool = ReadyPool(env.submit, lambda ids: str(len(ids)), trainable, 2, PoolLimits(stop_in_flight=False))
+    fresh = iter(group(g, 2) for g in lengths)
+    batches = 0
+    while not pool.batch_full():
+        batch = [next(fresh), next(fresh)]
+        for sample in engine.generate(pool.feed_batch(batch)):
+            pool.on_sample(sample)
+        pool.drain()
+        batches += 1
+        assert all(g.verified for g in pool.groups.values())  # the barrier: nothing left in flight or unverified
+    harvest = pool.finish()
+    assert batches == 2 and [r.group_id for r in engine.requests] == ["g0", "g1", "g2", "g3"]
+    assert [g.request.group_id for g in harvest.ready] == ["g0", "g1", "g2", "g3"] and harvest.carry == []
+    assert harvest.trainable == 3 and harvest.stopped_at is None  # g3 waited for in full: the barrier's cost
+    assert engine.steps == 3 + 31  # each batch as long as its longest sample

@@ -1,0 +1,280 @@
+"""Batch collection on the long-tail preset, three ways in one run: a synchronous barrier, the ready pool,
+and the ready pool with partial rollouts; then the preset's campaign with the barrier and with partial
+rollouts, same seed.
+
+    python benchmarks/batch_collection.py [--storage DIR] [--quick] [--json PATH]
+
+Collection. One workload: the preset's base policy, prompt stream, sampling (long-tailed lengths) and
+SIMULATED environment latency (tasks/verifiers/simulated_env.py), ``--rounds`` consecutive rounds of
+the preset's target (train.groups_per_step x steps_per_round trainable groups), the same seeds in every
+mode. The policy does not change between rounds here, so the modes differ only in how they collect.
+Each round's carry-over is handed to the next, as the campaign does.
+
+- sync_barrier: generate target-groups prompts at once, wait for every sample and verdict, repeat while
+  short of trainable groups (dynamic sampling as most trainers do it; rollout.collection=sync_barrier);
+- ready_pool: feed as the engine has room, verify as samples finish, stop feeding at the target, let
+  the samples in flight run to the end (rollout.partial_rollouts=false);
+- partial_rollouts: the same, but stop the samples in flight and carry them over (the default).
+
+Per round, means over the rounds:
+- time_to_trainable_batch_s: from the start of collection until the trainer can start (the stage
+  returns with its batch);
+- idle_s: decode-slot idle seconds, the integral over the collection of (1 - sequences generating /
+  rollout.max_batch): the accelerator time a round leaves unused where a decode step costs about the
+  same whatever its batch (a GPU); it counts the engine's waits on the environment in full;
+- wasted_tokens: tokens generated in the round and then thrown away (groups that teach nothing, and
+  complete groups beyond the target); carried-over prefixes are not waste, the next round resumes them;
+- length bias: mean completion length of the kept samples over that of all generated (1: none).
+
+Campaign. ``rlrounds run --preset long-tail`` twice from one base: rollout.collection=sync_barrier, and
+the default (partial rollouts). Seconds to target are the summed ``time/round_s`` of the rounds up to
+the first held-out accuracy >= --target (start-up is the same for both and left out).
+
+``--quick`` shrinks both parts (fewer rounds, a lower target) to stay under about five minutes here;
+the JSON has the same shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+MODES = ("sync_barrier", "ready_pool", "partial_rollouts")
+
+
+def rollout_for(rollout, mode: str):
+    if mode == "sync_barrier":
+        return rollout.model_copy(update={"collection": "sync_barrier", "partial_rollouts": False})
+    return rollout.model_copy(update={"collection": "ready_pool", "partial_rollouts": mode == "partial_rollouts"})
+
+
+def slot_idle_seconds(rows: list[dict], start: float, end: float, slots: int) -> float:
+    """Integral over [start, end] of (1 - min(generating, slots) / slots), from the samples' own
+    generation intervals (a resumed sample counts from this round's start)."""
+    events = []
+    for row in rows:
+        began, ended = row["started_at"], row["finished_at"]
+        if began is None or ended is None:
+            continue
+        began, ended = max(began.timestamp(), start), min(ended.timestamp(), end)
+        if ended > began:
+            events += [(began, 1), (ended, -1)]
+    events.sort()
+    idle, active, at = 0.0, 0, start
+    for t, step in events:
+        idle += (t - at) * (1.0 - min(active, slots) / slots)
+        active, at = active + step, t
+    return idle + (end - at) * (1.0 - min(active, slots) / slots)
+
+
+def collection_round(engine, tokenizer, rc, mode: str, seed: int, round_index: int, carried: list[dict]) -> dict:
+    from tasks.filter import apply_decisions, decide, length_bias
+    from tasks.rollout import generate_and_verify
+
+    start = time.time()
+    result = generate_and_verify(
+        engine,
+        tokenizer,
+        rc.prompts,
+        rollout_for(rc.rollout, mode),
+        rc.verify_resolved,
+        rc.filter,
+        rc.target_groups,
+        seed,
+        "batch-collection",
+        round_index,
+        carried_rows=carried,
+    )
+    end = time.time()
+    rows = apply_decisions(result.rows, decide(result.rows, rc.filter), rc.target_groups)
+    kept_groups = {r["group_id"] for r in rows if r["kept"]}
+    resumed_tokens = {  # tokens of carried-in prefixes were generated (and counted) in an earlier round
+        (r["group_id"], r["sample_index"]): len(r["completion_token_ids"]) for r in carried
+    }
+    generated = [
+        len(r["completion_token_ids"]) - resumed_tokens.get((r["group_id"], r["sample_index"]), 0)
+        for r in rows + result.carry_rows
+    ]
+    wasted = sum(
+        len(r["completion_token_ids"]) - resumed_tokens.get((r["group_id"], r["sample_index"]), 0)
+        for r in rows
+        if r["group_id"] not in kept_groups
+    )
+    bias = length_bias(rows)
+    return {
+        "time_to_trainable_batch_s": end - start,
+        "batch_ready_s": result.stats["rollout/batch_ready_at"] - start,
+        "idle_s": slot_idle_seconds(rows + result.carry_rows, start, end, rc.rollout.max_batch),
+        "wasted_tokens": wasted,
+        "generated_tokens": sum(generated),
+        "kept_groups": len(kept_groups),
+        "generated_groups": len({r["group_id"] for r in rows}),
+        "carried_out_samples": len(result.carry_rows),
+        "length_bias": bias.get("filter/length_bias", 1.0),
+        "gen_latency_p50_s": result.stats["rollout/gen_latency_p50_s"],
+        "gen_latency_p99_s": result.stats["rollout/gen_latency_p99_s"],
+        "env_latency_p50_s": result.stats["verify/env_latency_p50_s"],
+        "env_latency_p99_s": result.stats["verify/env_latency_p99_s"],
+        "_carry": result.carry_rows,
+    }
+
+
+def collection(engine, tokenizer, rc, rounds: int, seed: int) -> dict[str, dict]:
+    figures = {}
+    for mode in MODES:
+        carried: list[dict] = []
+        per_round = []
+        for k in range(1, rounds + 1):
+            r = collection_round(engine, tokenizer, rc, mode, seed + k, k, carried)
+            carried = r.pop("_carry")
+            per_round.append(r)
+            print(
+                f"  {mode:16s} round {k}: trainable batch in {r['time_to_trainable_batch_s']:6.2f} s "
+                f"(ready at {r['batch_ready_s']:6.2f} s), slot idle {r['idle_s']:6.2f} s, "
+                f"wasted {r['wasted_tokens']:7d} of {r['generated_tokens']:7d} tokens, "
+                f"{r['carried_out_samples']} samples carried, length bias {r['length_bias']:.2f}",
+                flush=True,
+            )
+        figures[mode] = {key: statistics.fmean(r[key] for r in per_round) for key in per_round[0]}
+        figures[mode]["rounds"] = rounds
+    return figures
+
+
+def campaign(storage: str, preset: str, mode: str, rounds: int, seed: int, target: float) -> dict:
+    from flows.campaign import new_run_id, rl_campaign
+    from flows.config import load_campaign_config
+
+    config = load_campaign_config(None, preset)
+    config = config.model_copy(
+        update={
+            "rounds": rounds,
+            "stop_at_accuracy": None,
+            "run_id": f"bench-{mode}-{new_run_id()}",
+            "round": config.round.model_copy(update={"seed": seed, "rollout": rollout_for(config.round.rollout, mode)}),
+        }
+    )
+    result = rl_campaign(config=config, storage=storage, resume=False)
+    history = result["rounds"]
+    seconds, to_target = 0.0, None
+    for entry in history[1:]:
+        seconds += entry["seconds"]
+        if to_target is None and entry["accuracy"] >= target:
+            to_target = {"seconds": seconds, "round": entry["round"]}
+    return {
+        "seconds_to_target": None if to_target is None else to_target["seconds"],
+        "rounds_to_target": None if to_target is None else to_target["round"],
+        "target_accuracy": target,
+        "base_accuracy": history[0]["accuracy"],
+        "final_accuracy": history[-1]["accuracy"],
+        "rounds": len(history) - 1,
+        "seconds": seconds,
+        "run_id": result["run_id"],
+    }
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return None if not a or not b else a / b
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--storage", default="./rlrounds-bench", help="storage root (the preset's base is cached there)"
+    )
+    parser.add_argument("--preset", default="long-tail")
+    parser.add_argument("--quick", action="store_true", help="a smaller run (under about 5 minutes here)")
+    parser.add_argument("--rounds", type=int, help="collection rounds per mode (default 4, quick 2)")
+    parser.add_argument("--campaign-rounds", type=int, help="campaign rounds per mode (default: the preset's, quick 4)")
+    parser.add_argument("--target", type=float, help="held-out accuracy to reach (default 0.85, quick 0.45)")
+    parser.add_argument("--no-campaign", action="store_true", help="collection only")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--json", help="write the figures here")
+    args = parser.parse_args()
+    from flows.cli import quiet_libraries
+
+    quiet_libraries(debug=False)
+    os.environ["RLROUNDS_STORAGE"] = args.storage  # the campaigns' MLflow store lives there too
+
+    from flows.config import load_campaign_config
+    from storage import checkpoints
+    from storage.paths import StorageRoot
+    from tasks.base import run_prepare_base
+    from tasks.engines import build_engine, load_tokenizer
+
+    rc = load_campaign_config(None, args.preset).round
+    rounds = args.rounds or (2 if args.quick else 4)
+    base = run_prepare_base(
+        storage=args.storage, base_model=rc.policy.base_model, progress=lambda m: print(f"  {m}", flush=True)
+    )
+    local = checkpoints.local_copy(StorageRoot.of(args.storage), base.checkpoint)
+    engine = build_engine(rc.rollout.engine, local, rc.rollout.dtype, 0, rc.rollout.max_batch)
+    tokenizer = load_tokenizer(local)
+    print(
+        f"collection: preset {args.preset}, {rc.target_groups} trainable groups x {rc.rollout.samples_per_prompt} "
+        f"samples, max_tokens {rc.rollout.max_tokens}, {rounds} rounds per mode, engine {rc.rollout.engine}",
+        flush=True,
+    )
+    figures: dict = {"collection": collection(engine, tokenizer, rc, rounds, args.seed)}
+    col = figures["collection"]
+    print("\ncollection, means per round:")
+    print(f"  {'mode':16s} {'to trainable batch':>19s} {'slot idle':>10s} {'wasted tokens':>14s} {'length bias':>12s}")
+    for mode in MODES:
+        f = col[mode]
+        print(
+            f"  {mode:16s} {f['time_to_trainable_batch_s']:17.2f} s {f['idle_s']:8.2f} s "
+            f"{f['wasted_tokens']:14.0f} {f['length_bias']:12.2f}"
+        )
+    barrier = col["sync_barrier"]["time_to_trainable_batch_s"]
+    figures["ratios"] = {
+        "sync_barrier_over_ready_pool": ratio(barrier, col["ready_pool"]["time_to_trainable_batch_s"]),
+        "sync_barrier_over_partial_rollouts": ratio(barrier, col["partial_rollouts"]["time_to_trainable_batch_s"]),
+    }
+    print(
+        f"  time to a trainable batch, sync_barrier / ready_pool: "
+        f"{figures['ratios']['sync_barrier_over_ready_pool']:.2f}x; sync_barrier / partial_rollouts: "
+        f"{figures['ratios']['sync_barrier_over_partial_rollouts']:.2f}x (goal >= 2x)"
+    )
+
+    if not args.no_campaign:
+        campaign_rounds = args.campaign_rounds or (4 if args.quick else load_campaign_config(None, args.preset).rounds)
+        target = args.target if args.target is not None else (0.45 if args.quick else 0.85)
+        print(f"\ncampaign: preset {args.preset}, {campaign_rounds} rounds per mode, target {target:.0%}", flush=True)
+        figures["campaign"] = {}
+        for mode in ("sync_barrier", "partial_rollouts"):
+            figures["campaign"][mode] = c = campaign(
+                args.storage, args.preset, mode, campaign_rounds, args.seed, target
+            )
+            reached = (
+                "not reached"
+                if c["seconds_to_target"] is None
+                else (f"{c['seconds_to_target']:.0f} s (round {c['rounds_to_target']})")
+            )
+            print(
+                f"  {mode:16s} base {c['base_accuracy']:.1%}, to {target:.0%}: {reached}, "
+                f"final {c['final_accuracy']:.1%} after {c['rounds']} rounds ({c['seconds']:.0f} s of rounds)",
+                flush=True,
+            )
+        camp = figures["campaign"]
+        figures["ratios"]["campaign_sync_barrier_over_partial_rollouts"] = ratio(
+            camp["sync_barrier"]["seconds_to_target"], camp["partial_rollouts"]["seconds_to_target"]
+        )
+        figures["ratios"]["campaign_final_accuracy_difference"] = (
+            camp["partial_rollouts"]["final_accuracy"] - camp["sync_barrier"]["final_accuracy"]
+        )
+        r = figures["ratios"]["campaign_sync_barrier_over_partial_rollouts"]
+        print(
+            "  wall time to target, sync_barrier / partial_rollouts: "
+            + ("n/a (a mode did not reach it)" if r is None else f"{r:.2f}x")
+            + " (goal >= 1.3x); final accuracy, partial_rollouts - sync_barrier: "
+            f"{100 * figures['ratios']['campaign_final_accuracy_difference']:+.1f} points (goal >= -2)"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

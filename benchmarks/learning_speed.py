@@ -1,0 +1,150 @@
+"""Learning speed: the default campaign, timed to a held-out accuracy.
+
+    python benchmarks/learning_speed.py [--storage DIR] [--target 0.9] [--rounds N] [--stop-at-target]
+                                        [--baseline-config FILE] [--json PATH]
+
+Runs the campaign `rlrounds run` runs (the embedded default, or ``--config``/``--preset`` laid over it)
+through its Prefect flow, judged on the full held-out set with greedy decoding at serving precision,
+as the campaign reports it. Prints:
+
+- seconds to target: the summed ``time/round_s`` of the rounds up to the first held-out accuracy
+  >= --target, and the same with the time outside rounds (start-up: Prefect, MLflow, base build or
+  load, round 0's evaluation) added;
+- updates to target (optimizer steps), final accuracy after the campaign's rounds;
+- generated vs kept groups, and the mean seconds per round of every stage (MLflow ``time/*``).
+
+``--baseline-config FILE`` runs a second campaign, laid over the same defaults with FILE, in the same
+process right after, and prints the ratios: the way to compare a change of defaults on a noisy machine.
+The base is built once under --storage and reused by both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+
+def round_metrics(storage: str, experiment: str, run_id: str) -> list[dict[str, float]]:
+    """Every round's final metric values, from the campaign's MLflow round runs (round 1 first)."""
+    from storage.lineage import KIND_TAG, ROUND_TAG, RUN_ID_TAG, Tracker
+    from storage.paths import StorageRoot
+    from storage.settings import settings
+
+    tracker = Tracker.connect(settings(), StorageRoot.of(storage), must_exist=True)
+    experiment_id = tracker.experiment_id(experiment)
+    runs = tracker.client.search_runs(
+        [experiment_id],
+        filter_string=f"tags.`{RUN_ID_TAG}` = '{run_id}' and tags.`{KIND_TAG}` = 'round'",
+        max_results=10_000,
+    )
+    rounds = sorted((int(r.data.tags[ROUND_TAG]), r.data.metrics) for r in runs)
+    return [metrics for index, metrics in rounds if index >= 1]
+
+
+def run_campaign(config, storage: str, target: float, label: str) -> dict:
+    from flows.campaign import new_run_id, rl_campaign
+
+    config = config.model_copy(update={"run_id": f"speed-{label}-{new_run_id()}"})
+    start = time.perf_counter()
+    result = rl_campaign(config=config, storage=storage, resume=False)
+    wall = time.perf_counter() - start
+    history = result["rounds"]
+    metrics = round_metrics(storage, config.experiment, result["run_id"])
+    round_seconds = [entry["seconds"] for entry in history[1:]]
+    outside = wall - sum(round_seconds)
+    reached = next((i for i, entry in enumerate(history[1:]) if entry["accuracy"] >= target), None)
+    steps = config.round.train.steps_per_round
+    stage_keys = sorted({k for m in metrics for k in m if k.startswith("time/")})
+    figures = {
+        "label": label,
+        "run_id": result["run_id"],
+        "target_accuracy": target,
+        "seconds_to_target": None if reached is None else sum(round_seconds[: reached + 1]),
+        "seconds_to_target_with_startup": None if reached is None else sum(round_seconds[: reached + 1]) + outside,
+        "rounds_to_target": None if reached is None else reached + 1,
+        "updates_to_target": None if reached is None else (reached + 1) * steps,
+        "base_accuracy": history[0]["accuracy"],
+        "final_accuracy": history[-1]["accuracy"],
+        "best_accuracy": max(entry["accuracy"] for entry in history[1:]),
+        "rounds": len(history) - 1,
+        "wall_s": wall,
+        "outside_rounds_s": outside,
+        "generated_groups": sum(m.get("rollout/groups", 0.0) for m in metrics),
+        "kept_groups": sum(m.get("filter/kept_groups", 0.0) for m in metrics),
+        "stage_seconds": {
+            k.removeprefix("time/"): statistics.fmean(m.get(k, 0.0) for m in metrics) for k in stage_keys
+        },
+        "accuracy_by_round": [entry["accuracy"] for entry in history],
+    }
+    return figures
+
+
+def show(f: dict) -> None:
+    reached = (
+        f"not reached in {f['rounds']} rounds"
+        if f["seconds_to_target"] is None
+        else (
+            f"{f['seconds_to_target']:.0f} s of rounds ({f['seconds_to_target_with_startup']:.0f} s with start-up), "
+            f"round {f['rounds_to_target']}, {f['updates_to_target']} updates"
+        )
+    )
+    print(f"[{f['label']}] base {f['base_accuracy']:.1%} -> final {f['final_accuracy']:.1%} after {f['rounds']} rounds")
+    print(f"[{f['label']}] first held-out >= {f['target_accuracy']:.0%}: {reached}")
+    print(
+        f"[{f['label']}] outside rounds (start-up, round 0) {f['outside_rounds_s']:.0f} s; "
+        f"groups generated {f['generated_groups']:.0f}, kept {f['kept_groups']:.0f} "
+        f"({f['kept_groups'] / max(f['generated_groups'], 1):.0%})"
+    )
+    stages = f["stage_seconds"]
+    total = stages.get("round_s", 0.0) or 1.0
+    split = ", ".join(
+        f"{name.removesuffix('_s')} {sec:.2f} s ({sec / total:.0%})"
+        for name, sec in stages.items()
+        if name != "round_s"
+    )
+    print(f"[{f['label']}] mean round {stages.get('round_s', 0.0):.2f} s: {split}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--storage", default="./rlrounds-bench", help="storage root (the base is cached there)")
+    parser.add_argument("--config", help="a config file laid over the defaults (as `rlrounds run --config`)")
+    parser.add_argument("--preset", help="a preset (as `rlrounds run --preset`)")
+    parser.add_argument("--target", type=float, default=0.9)
+    parser.add_argument("--rounds", type=int, help="rounds (default: the campaign's)")
+    parser.add_argument("--stop-at-target", action="store_true", help="end each campaign at the target")
+    parser.add_argument("--baseline-config", help="also run the campaign with this file laid over the defaults")
+    parser.add_argument("--json", help="write the figures here")
+    args = parser.parse_args()
+
+    from flows.cli import quiet_libraries
+
+    quiet_libraries(debug=False)
+    os.environ["RLROUNDS_STORAGE"] = args.storage  # the campaigns' MLflow store lives there too
+
+    from flows.config import load_campaign_config
+
+    def config_of(path: str | None):
+        config = load_campaign_config(path, args.preset, rounds=args.rounds)
+        return config.model_copy(update={"stop_at_accuracy": args.target if args.stop_at_target else None})
+
+    figures = run_campaign(config_of(args.config), args.storage, args.target, "campaign")
+    show(figures)
+    out: dict = dict(figures)
+    if args.baseline_config:
+        baseline = run_campaign(config_of(args.baseline_config), args.storage, args.target, "baseline")
+        show(baseline)
+        out["baseline"] = baseline
+        if figures["seconds_to_target"] and baseline["seconds_to_target"]:
+            out["baseline_over_campaign"] = baseline["seconds_to_target"] / figures["seconds_to_target"]
+            print(f"seconds to target, baseline / campaign: {out['baseline_over_campaign']:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

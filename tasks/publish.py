@@ -32,8 +32,17 @@ class PublishConfig(Config):
         return v
 
 
-def lineage_tags(*, round_index: int, run_id: str, parent_model_version: str, trajectory_version: str, base_model: str,
-                 config_hash: str, code_version: str, prefect_flow_run_id: str) -> dict[str, str]:
+def lineage_tags(
+    *,
+    round_index: int,
+    run_id: str,
+    parent_model_version: str,
+    trajectory_version: str,
+    base_model: str,
+    config_hash: str,
+    code_version: str,
+    prefect_flow_run_id: str,
+) -> dict[str, str]:
     """The tags every registered checkpoint carries (DESIGN.md, Lineage)."""
     return {
         "round": str(round_index),
@@ -48,6 +57,7 @@ def lineage_tags(*, round_index: int, run_id: str, parent_model_version: str, tr
 
 
 # -- the stage ------------------------------------------------------------------------------------
+
 
 def run_publish(
     *,

@@ -106,8 +106,13 @@ def health_report(
         f"finished here; {_fmt(s, 'rollout/samples_spanning_versions', '.0f')} samples span policy versions "
         f"({_fmt(s, 'filter/kept_rows_spanning_versions', '.0f')} kept) |",
         f"| length bias | {_length_bias(s)} |",
-        f"| policy freshness | staleness mean {_fmt(s, 'train/staleness_mean_steps', '.1f')} steps, max "
-        f"{_fmt(s, 'train/staleness_max_steps', '.0f')}; "
+        f"| policy freshness | token lag in policy versions mean {_fmt(s, 'train/lag_versions_mean', '.2f')}, p99 "
+        f"{_fmt(s, 'train/lag_versions_p99', '.0f')}, max {_fmt(s, 'train/lag_versions_max', '.0f')}; "
+        f"{_fmt(s, 'train/samples_spanning_versions_share', '.1%')} of trained samples span versions; "
+        f"behaviour vs trained policy KL (k3) {_fmt(s, 'train/behaviour_kl_k3', '.2e')}, weight mean "
+        f"{_fmt(s, 'train/behaviour_weight_mean', '.3f')}, p99 {_fmt(s, 'train/behaviour_weight_p99', '.3f')}, "
+        f"over tis_cap {_fmt(s, 'train/behaviour_weight_over_cap', '.2%')}; in optimizer steps mean "
+        f"{_fmt(s, 'train/staleness_mean_steps', '.1f')}, max {_fmt(s, 'train/staleness_max_steps', '.0f')}; "
         f"ratio mean {_fmt(s, 'train/ratio_mean', '.4f')}; clip fraction {_fmt(s, 'train/clip_fraction', '.3f')} |",
         f"| numeric alignment | engine vs trainer logprobs mean abs delta {_fmt(s, 'train/mismatch_mean_abs', '.2e')}, "
         f"max {_fmt(s, 'train/mismatch_max_abs', '.2e')}, KL {_fmt(s, 'train/mismatch_kl', '.2e')}; TIS weight mean "

@@ -30,6 +30,9 @@ LINEAGE_TAGS = (
     "code_version",
     "prefect_flow_run_id",
 )
+LINE_TAG = "line"
+"""A model version's promotion line (tasks/publish.py, promotion_line): the champion gate compares only
+versions of one line. Versions registered before lines existed have none."""
 
 
 class LineageError(RuntimeError):
@@ -40,7 +43,7 @@ def parse_model_version(ref: str) -> tuple[str, str]:
     """'NAME/VERSION' -> (name, version); the one parser of a registered model version reference."""
     name, sep, version = ref.rpartition("/")
     if not sep or not name or not version.isdigit():
-        raise LineageError(f"model version {ref!r} must look like NAME/VERSION, e.g. rlrounds-policy/3")
+        raise LineageError(f"model version {ref!r} must look like NAME/VERSION, e.g. rlrounds-addition/3")
     return name, version
 
 

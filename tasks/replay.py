@@ -49,6 +49,8 @@ class ReplayPlan(StageResult):
     rollout_dtype: str
     checkpoint: str
     model_name: str
+    line: str
+    """Promotion line of the config the replay is evaluated with (tagged; a replay never gates)."""
     source: dict
     """Run and round of the rollout the trajectories came from."""
 
@@ -107,6 +109,7 @@ def run_plan_replay(
     config_hash: str | None,
     model_name: str | None,
     task: str,
+    line: str,
     code_version: str,
     flow_run_id: str,
 ) -> ReplayPlan:
@@ -181,6 +184,7 @@ def run_plan_replay(
         rollout_dtype=str(dtype),
         checkpoint=root.replay_checkpoint(rid),
         model_name=model_name,
+        line=line,
         source={"run_id": chain[-1].body.get("run_id"), "round": chain[-1].body.get("round")},
     )
 
@@ -215,6 +219,7 @@ def run_publish_replay(
         config_hash=ctx.config_hash,
         code_version=ctx.code_version,
         prefect_flow_run_id=ctx.flow_run_id,
+        line=plan.line,
     )
     version = tracker.register(plan.model_name, checkpoint, ctx.mlflow_run_id, {**tags, "kind": REPLAY_KIND})
     evaluation: Stats = {}

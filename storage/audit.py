@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from storage.lineage import LINE_TAG, LineageError, parse_model_version
+from storage.lineage import LINE_TAG, LineageError, checkpoint_uri, parse_model_version
 from storage.paths import StorageRoot
 
 NO_PARENT = "none"
@@ -111,7 +111,7 @@ def walk(tracker: Any, root: StorageRoot, ref: str, limit: int = 10_000) -> list
                 code_version=tags.get("code_version", ""),
                 prefect_flow_run_id=tags.get("prefect_flow_run_id", ""),
                 base_model=tags.get("base_model", ""),
-                checkpoint=str(mv.source or ""),
+                checkpoint=checkpoint_uri(mv),
                 evaluation={k.removeprefix("eval."): v for k, v in sorted(tags.items()) if k.startswith("eval.")},
                 line=tags.get(LINE_TAG, ""),
                 aliases=sorted(getattr(mv, "aliases", None) or []),

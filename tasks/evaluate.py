@@ -253,6 +253,7 @@ def champion_accuracy(
     A figure from another engine or dtype is not comparable (bfloat16 greedy answers differ from
     float32 ones), so a champion without one is scored now, on a fresh engine, and tagged."""
     from storage import checkpoints
+    from storage.lineage import checkpoint_uri
 
     key = f"eval.{result['eval/engine']}.{result['eval/dtype']}.accuracy"
     registered = tracker.model_version(name, champion)
@@ -262,7 +263,7 @@ def champion_accuracy(
     same_place = (tags.get("eval.engine"), tags.get("eval.dtype")) == (result["eval/engine"], result["eval/dtype"])
     if same_place and "eval.accuracy" in tags:
         return float(tags["eval.accuracy"])
-    local = checkpoints.local_copy(root, registered.source)
+    local = checkpoints.local_copy(root, checkpoint_uri(registered))
     scored = evaluate_checkpoint(local, prompts, verify, config, train_dtype, policy_version=None)
     tracker.tag_model_version(name, champion, precision_tags(scored))
     return float(scored["eval/accuracy"])
@@ -292,7 +293,7 @@ def run_evaluate_version(
     """Score a registered model version ('NAME/VERSION') at ``config``'s serving engine and dtype and at
     training precision; tag both and the gap on the version. The champion alias is not touched."""
     from storage import checkpoints
-    from storage.lineage import LineageError, Tracker, parse_model_version
+    from storage.lineage import LineageError, Tracker, checkpoint_uri, parse_model_version
     from storage.paths import StorageRoot
     from storage.settings import settings
     from tasks.prompts import evaluation_prompts
@@ -306,7 +307,7 @@ def run_evaluate_version(
         raise LineageError(
             f"no registered model version {model_version} in {storage}; list versions with `rlrounds lineage`"
         ) from exc
-    local = checkpoints.local_copy(root, registered.source)
+    local = checkpoints.local_copy(root, checkpoint_uri(registered))
     held_out = evaluation_prompts(prompts, config.source)
     round_tag = str(registered.tags.get("round", ""))
     # With its policy version known, the version is scored on the live serving engine when this
@@ -319,5 +320,5 @@ def run_evaluate_version(
         tags.update(evaluation_tags(result))
     tracker.tag_model_version(name, version, tags)
     return VersionEvaluation(
-        model_version=model_version, checkpoint=registered.source, train_dtype=train_dtype, stats=result
+        model_version=model_version, checkpoint=checkpoint_uri(registered), train_dtype=train_dtype, stats=result
     )

@@ -114,7 +114,7 @@ def run_plan_replay(
     flow_run_id: str,
 ) -> ReplayPlan:
     """Resolve the parent model version and the trajectory version; open the replay's MLflow run."""
-    from storage.lineage import KIND_TAG, RUN_ID_TAG, Tracker, parse_model_version
+    from storage.lineage import KIND_TAG, RUN_ID_TAG, Tracker, checkpoint_uri, parse_model_version
     from storage.paths import StorageRoot
     from storage.settings import settings
     from storage.trajectories import find_version, parent_chain, read_table
@@ -164,7 +164,7 @@ def run_plan_replay(
         run_id=rid,
         round=parent_round + 1,
         experiment=tracker.client.get_experiment(experiment_id).name,
-        parent_checkpoint=str(parent.source),
+        parent_checkpoint=checkpoint_uri(parent),
         parent_policy_version=parent_round,
         parent_model_version=from_model,
         base_model=tags.get("base_model", "unknown"),

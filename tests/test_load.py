@@ -21,7 +21,8 @@ import pytest
 
 from storage.lineage import LINE_TAG, LINEAGE_TAGS
 
-pytestmark = pytest.mark.load
+# slow too, so that `-m "not slow"` (which replaces the default `-m "not load"`) leaves it out as well
+pytestmark = [pytest.mark.load, pytest.mark.slow]
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROUNDS = 2
@@ -174,6 +175,5 @@ def test_four_campaigns_and_a_replay_on_one_local_root(tmp_path, seed_builtin_ba
     check_load(run_load(str(tmp_path / "data"), tmp_path, seed_builtin_base))
 
 
-@pytest.mark.s3
 def test_four_campaigns_and_a_replay_on_one_s3_root(tmp_path, s3_endpoint, seed_builtin_base):
     check_load(run_load(f"s3://rlrounds-test/load-{uuid.uuid4().hex[:8]}", tmp_path, seed_builtin_base))

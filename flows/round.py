@@ -87,8 +87,9 @@ def rl_round(config: RoundConfig, storage: str, run_id: str, round_index: int, e
     trained = stage.run("train", train_task, ctx=ctx, trajectory_uri=trajectories.uri, config=config.train,
                         temperature=config.rollout.temperature, rollout_dtype=config.rollout.dtype)
     clock.lap("train")
-    published = stage.run("publish", publish_task, ctx=ctx, config=config.publish, checkpoint=trained.checkpoint,
-                          trajectory_version=trajectories.version, trajectory_uri=trajectories.uri,
+    published = stage.run("publish", publish_task, ctx=ctx, config=config.publish_resolved,
+                          checkpoint=trained.checkpoint, trajectory_version=trajectories.version,
+                          trajectory_uri=trajectories.uri,
                           committed_at=trained.committed_at, engine=config.rollout.engine,
                           engine_dtype=config.rollout.dtype, max_batch=config.rollout.max_batch)
     clock.lap("publish")

@@ -172,6 +172,7 @@ def run_evaluate(
     Idempotent: a version already carrying ``eval.promoted`` returns its recorded evaluation; a crash
     before that tag re-runs the (greedy, deterministic) evaluation and reaches the same gate decision."""
     from storage import checkpoints
+    from storage.files import lease
     from storage.lineage import Tracker, parse_model_version
     from storage.paths import StorageRoot
     from storage.settings import settings
@@ -200,15 +201,19 @@ def run_evaluate(
                 "eval.mean_tokens": result["eval/mean_tokens"],
             },
         )
-        champion = tracker.alias_version(name, config.champion_alias)
-        best = -1.0
-        if champion and champion != version:
-            check_same_line(name, config.champion_alias, champion, tracker.model_version(name, champion).tags, recorded)
-            best = champion_accuracy(tracker, root, name, champion, result, held_out, verify, config, train_dtype)
-        if result["eval/accuracy"] >= best:
-            tracker.set_alias(name, config.champion_alias, version)
-            promoted = True
-        tracker.tag_model_version(name, version, {PROMOTED_TAG: float(promoted)})
+        # Read, compare and move the alias as one step: two campaigns of one line finishing together
+        # would otherwise each compare with the old champion and the later write would win.
+        with lease(root, root.join("locks", f"champion-{name}-{config.champion_alias}.lock")):
+            champion = tracker.alias_version(name, config.champion_alias)
+            best = -1.0
+            if champion and champion != version:
+                champion_tags = tracker.model_version(name, champion).tags
+                check_same_line(name, config.champion_alias, champion, champion_tags, recorded)
+                best = champion_accuracy(tracker, root, name, champion, result, held_out, verify, config, train_dtype)
+            if result["eval/accuracy"] >= best:
+                tracker.set_alias(name, config.champion_alias, version)
+                promoted = True
+            tracker.tag_model_version(name, version, {PROMOTED_TAG: float(promoted)})
     return Evaluation(stats={**result, "eval/promoted": float(promoted)})
 
 

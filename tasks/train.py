@@ -124,7 +124,7 @@ def train_policy(
     temperature: float,
     optimizer_state: dict | None,
     current_version: int,
-    recompute: bool,
+    recompute: bool | list[bool],
     ref_model=None,
     progress=None,
 ):
@@ -141,10 +141,12 @@ def train_policy(
             group["lr"], group["weight_decay"] = config.learning_rate, config.weight_decay
     packed = [pack_sequences(b.prompt_ids, b.completion_ids, pad_token_id) for b in batches]
     top_ps = [torch.tensor(b.top_p, dtype=torch.float32) for b in batches]  # [B] each
-    proximal = []
-    if recompute:  # trainer logprobs at the sampling weights, before any step moves them
-        with torch.no_grad():
-            proximal = [token_logprobs(model, p, temperature, nucleus) for p, nucleus in zip(packed, top_ps)]
+    plan = recompute if isinstance(recompute, list) else [recompute] * len(batches)
+    with torch.no_grad():  # trainer logprobs at the sampling weights, before any step moves them
+        proximal = [
+            token_logprobs(model, p, temperature, nucleus) if wanted else None
+            for p, nucleus, wanted in zip(packed, top_ps, plan)
+        ]
     settings = config.loss_settings()
     history: dict[str, list[float]] = {
         k: [] for k in ("loss", "clip_fraction", "grad_norm", "tis_mean", "tis_truncated_fraction", "kl", "ratio_mean")
@@ -173,7 +175,9 @@ def train_policy(
         # parent policy count: a carried-over token's gap is staleness, not mismatch.
         versions = aligned(batch.policy_versions, prompt_width, total, fill=-1)  # [B, T-1]
         current = (versions == current_version).float()  # [B, T-1]
-        mismatch.append(logprob_mismatch(proximal[step] if proximal else logp.detach(), behaviour, mask * current))
+        mismatch.append(
+            logprob_mismatch(logp.detach() if proximal[step] is None else proximal[step], behaviour, mask * current)
+        )
         on = mask.bool()
         freshness.append(torch.stack([(current_version - versions)[on], (logp.detach() - behaviour)[on]], dim=-1))
         inputs = LossInputs(
@@ -181,7 +185,7 @@ def train_policy(
             behaviour,
             torch.tensor(batch.advantages, dtype=torch.float32),
             mask,
-            proximal[step] if proximal else None,
+            proximal[step],
             ref,
             batch.max_tokens,
         )
@@ -217,7 +221,7 @@ def train_policy(
             "train/mismatch_tokens": pooled["tokens"],
             "train/staleness_mean_steps": statistics.fmean(lags) if lags else 0.0,
             "train/staleness_max_steps": float(max(lags, default=0)),
-            "train/recomputed_proximal": float(recompute),
+            "train/recomputed_proximal": statistics.fmean(plan) if plan else 0.0,
             "train/samples_spanning_versions_share": statistics.fmean(
                 len(set(v)) > 1 for b in batches for v in b.policy_versions
             )
@@ -306,6 +310,28 @@ def needs_proximal(
     )
 
 
+def proximal_plan(
+    setting: str, rollout_dtype: str, engines: list[dict], batches: list[TrainBatch], current_version: int
+) -> list[bool]:
+    """Per minibatch, whether to recompute its proximal logprobs (``needs_proximal``'s rule, minibatch by
+    minibatch). The engine and precision are the round's, so they decide for every minibatch; a nucleus
+    or an older policy's tokens decide only for the minibatches holding them. With partial rollouts
+    nearly every round carries a few older samples, and they finish first, so they sit in the first
+    minibatches: the rest are spared a forward pass that would only reproduce the behaviour logprobs."""
+    if setting != "auto" or needs_proximal(setting, rollout_dtype, engines):
+        return [needs_proximal(setting, rollout_dtype, engines)] * len(batches)
+    return [
+        needs_proximal(
+            setting,
+            rollout_dtype,
+            [],
+            batch.top_p,
+            stale_tokens=any(v != current_version for versions in batch.policy_versions for v in versions),
+        )
+        for batch in batches
+    ]
+
+
 def kept_rows(table) -> list[dict]:
     import pyarrow.compute as pc
 
@@ -355,14 +381,10 @@ def run_train(
     if config.kl_coef > 0:
         reference = parent if config.kl_reference == "parent" else checkpoints.local_copy(root, base)
         ref_model = load_policy(reference, dtype="float32")[0]
-    recompute = needs_proximal(
-        config.recompute_proximal,
-        rollout_dtype,
-        [r["engine"] for r in rows],
-        [float((r["sampling"] or {}).get("top_p") or 1.0) for r in rows],
-        stale_tokens=any(v != ctx.parent_policy_version for r in rows for v in r["token_policy_versions"]),
-    )
     batches = minibatches(rows, config.groups_per_step, config.steps_per_round)
+    recompute = proximal_plan(
+        config.recompute_proximal, rollout_dtype, [r["engine"] for r in rows], batches, ctx.parent_policy_version
+    )
     if progress is None:
         from tasks.report import report_progress as progress
     started_at = time.time()  # the round's straggler wait ends here (tasks/report.py)

@@ -319,3 +319,19 @@ def test_tokens_of_older_versions_are_measured_as_lag(tiny_policy_dir):
     assert stats["train/lag_versions_max"] == 2.0 and stats["train/lag_versions_mean"] == pytest.approx(2 / 6)
     assert stats["train/samples_spanning_versions_share"] == 0.5
     assert stats["train/behaviour_kl_k3"] > 0 and stats["train/behaviour_weight_p99"] > 0
+
+
+def test_the_proximal_pass_runs_only_for_the_minibatches_that_need_it():
+    from tasks.train import TrainBatch, proximal_plan
+
+    def batch(versions, top_p=1.0):
+        return TrainBatch([[1]], [[2] * len(versions)], [[0.0] * len(versions)], [1.0], [versions], [top_p], 4)
+
+    embedded = [{"name": "embedded", "dtype": "float32"}]
+    carried, fresh, nucleus = batch([1, 2]), batch([2, 2]), batch([2, 2], top_p=0.9)
+    assert proximal_plan("auto", "float32", embedded, [carried, fresh, nucleus], 2) == [True, False, True]
+    # the round's engine or precision decide for every minibatch; an explicit setting overrides all
+    assert proximal_plan("auto", "bfloat16", embedded, [fresh, fresh], 2) == [True, True]
+    assert proximal_plan("auto", "float32", [{"name": "vllm", "dtype": "float32"}], [fresh], 2) == [True]
+    assert proximal_plan("never", "float32", embedded, [carried], 2) == [False]
+    assert proximal_plan("always", "float32", embedded, [fresh], 2) == [True]

@@ -121,8 +121,10 @@ def main() -> None:
     args = parser.parse_args()
 
     from flows.cli import quiet_libraries
+    from flows.orphans import mark_this_process
 
     quiet_libraries(debug=False)
+    mark_this_process()  # a killed benchmark's Prefect server is stopped by the next rlrounds start
     os.environ["RLROUNDS_STORAGE"] = args.storage  # the campaigns' MLflow store lives there too
 
     from flows.config import load_campaign_config

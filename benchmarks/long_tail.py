@@ -8,6 +8,7 @@
 3. Environment latency (a SIMULATION, tasks/verifiers/simulated_env.py): every one of those samples is
    verified through the preset's simulated environment in a real verifier pool; p50/p90/p99/max of the
    measured seconds per call, and p99 / p50.
+4. Greedy held-out accuracy of the base by span (how many numbers past the first it must count down).
 
     python benchmarks/long_tail.py [--storage DIR] [--groups 256] [--json PATH]
 """
@@ -127,6 +128,28 @@ def main() -> None:
         f"p99 {latency['p99'] * 1e3:.0f} ms max {latency['max'] * 1e3:.0f} ms; "
         f"p99/p50 {latency['p99'] / latency['p50']:.1f}; "
         f"sampled success rate {success:.1%}",
+        flush=True,
+    )
+
+    # 4. Where the base fails: greedy held-out accuracy by span (numbers counted down past the first).
+    from models.longtail import held_out_prompts
+
+    held_out = held_out_prompts()
+    greedy = SamplingParams(0.0, 1.0, rc.evaluate.max_tokens, 0)
+    requests = [GroupRequest(f"h{i}", tuple(tokenizer(p.text)["input_ids"]), 1, greedy) for i, p in enumerate(held_out)]
+    answers = {s.group_id: tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in engine.generate(requests)}
+    by_span: dict[str, list[int]] = {}
+    for i, p in enumerate(held_out):
+        start, stop = (int(x) for x in p.text.rstrip("=").split(">"))
+        span = start - stop
+        bucket = "1" if span == 1 else "2" if span == 2 else "3-4" if span <= 4 else "5-9" if span <= 9 else "10+"
+        hits = by_span.setdefault(bucket, [0, 0])
+        hits[0] += answers[f"h{i}"] == p.reference
+        hits[1] += 1
+    figures["greedy_accuracy_by_span"] = {k: {"correct": c, "prompts": n} for k, (c, n) in by_span.items()}
+    print(
+        f"greedy held-out accuracy by span ({rc.rollout.dtype}): "
+        + ", ".join(f"{k}: {c}/{n}" for k, (c, n) in by_span.items()),
         flush=True,
     )
     if args.json:

@@ -173,6 +173,7 @@ def run_evaluate(
     from storage.lineage import Tracker, parse_model_version
     from storage.paths import StorageRoot
     from storage.settings import settings
+    from tasks.describe import describe_version
     from tasks.prompts import evaluation_prompts
 
     root = StorageRoot.of(ctx.storage)
@@ -205,6 +206,7 @@ def run_evaluate(
             tracker.set_alias(name, config.champion_alias, version)
             promoted = True
         tracker.tag_model_version(name, version, {PROMOTED_TAG: float(promoted)})
+        describe_version(tracker, root, model_version)  # the MLflow UI's summary of the tags just written
     return Evaluation(stats={**result, "eval/promoted": float(promoted)})
 
 

@@ -86,11 +86,20 @@ def new_run_id() -> str:
 
 @flow(name="rl-campaign", validate_parameters=True)
 def rl_campaign(
-    config: CampaignConfig, storage: str | None = None, resume: bool | None = None, takeover: bool = False
+    config: CampaignConfig = CampaignConfig(),  # noqa: B008 -- a frozen default the UI shows filled in
+    storage: str | None = None,
+    resume: bool | None = None,
+    takeover: bool = False,
 ) -> dict:
-    """resume: False for a new run id (`rlrounds run --run-id`), True for an existing one (`--resume`),
-    None for either (re-running this flow continues it). takeover: resume even though the recorded
-    owner runs on another host, which this one cannot check."""
+    """A campaign of RL rounds, each starting from the previous round's checkpoint.
+
+    Args:
+        config: Rounds to run, the campaign's run id, and everything one round does.
+        storage: Storage root (a directory or s3://bucket/prefix). Default: $RLROUNDS_STORAGE.
+        resume: False for a new run id (`rlrounds run --run-id`), True for an existing one (`--resume`),
+            empty for either: re-running with the same run id continues the campaign.
+        takeover: Resume even though the recorded owner runs on another host, which this one cannot check.
+    """
     root = StorageRoot.of(storage or settings().storage)
     storage = root.uri
     config = config.model_copy(update={"run_id": config.run_id or new_run_id()})

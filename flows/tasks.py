@@ -24,6 +24,7 @@ from tasks.replay import run_plan_replay, run_publish_replay
 from tasks.report import run_open_round, run_record_round
 from tasks.results import RoundRecord
 from tasks.rollout import run_rollout
+from tasks.start import run_resolve_start
 from tasks.train import run_train
 
 log = logging.getLogger("rlrounds")
@@ -63,3 +64,4 @@ plan_replay_task = _task("plan-replay", run_plan_replay)
 publish_replay_task = _task("publish-replay", run_publish_replay)
 refilter_task = _task("refilter", run_refilter)
 reverify_task = _task("reverify", run_reverify)
+resolve_start_task = _task("resolve-start", run_resolve_start)

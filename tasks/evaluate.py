@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from models.engine import greedy_completions
-from tasks.config_base import Config
+from tasks.config_base import Config, Dtype
 from tasks.context import RoundContext
 from tasks.prompts import PromptsConfig
 from tasks.results import Evaluation, Stats, VersionEvaluation
@@ -35,20 +35,13 @@ class EvaluateConfig(Config):
     """Held-out prompts (.jsonl/.parquet). Default: the built-in task's fixed 500 held-out prompts."""
     serving_engine: Literal["embedded", "vllm"] = "embedded"
     """Engine the policy is served with ('embedded' or 'vllm'); accuracy on it gates promotion."""
-    serving_dtype: str = "bfloat16"
+    serving_dtype: Dtype = "bfloat16"
     """Precision the policy is served at; accuracy at it gates promotion. bfloat16 by default, so the
     policy is tested at the precision it would be served with, not only at training precision (float32)."""
     max_tokens: int = Field(8, ge=1)
     """Most new tokens per greedy answer."""
     champion_alias: str = "champion"
     """Registry alias moved to a checkpoint whose serving accuracy is not below the current champion's."""
-
-    @field_validator("serving_dtype")
-    @classmethod
-    def _dtype_known(cls, v: str) -> str:
-        if v not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"evaluate.serving_dtype {v!r} is unknown; use float32, bfloat16 or float16")
-        return v
 
 
 def accuracy(engine, tokenizer, prompts, verifier: Verifier, max_tokens: int) -> dict[str, float]:

@@ -117,3 +117,26 @@ def test_an_evaluated_round_version_carries_its_description(tmp_path, tiny_polic
     assert serving in read.description
     assert "[1234-abcd](http://127.0.0.1:4321/runs/flow-run/1234-abcd)" in read.description
     assert all(read.tags[t] == tags[t] for t in LINEAGE_TAGS)  # the tags stay as they were
+
+
+@pytest.mark.parametrize(
+    "ref, expected",
+    [
+        ("rlrounds-policy@champion", ("rlrounds-policy", "champion", None)),  # an alias
+        ("rlrounds-policy/3", ("rlrounds-policy", None, "3")),  # a version
+        (" p@nightly-2 ", ("p", "nightly-2", None)),  # spaces around a form entry are ignored
+    ],
+)
+def test_parse_start(ref, expected):
+    from tasks.start import parse_start
+
+    assert parse_start(ref) == expected
+
+
+@pytest.mark.parametrize("ref", ["rlrounds-policy", "p/three", "p@", "/3", "runs/x/rounds/3/checkpoint@a"])
+def test_parse_start_refuses_anything_else_naming_the_forms(ref):
+    from storage.lineage import LineageError
+    from tasks.start import parse_start
+
+    with pytest.raises(LineageError, match="NAME@ALIAS"):
+        parse_start(ref)

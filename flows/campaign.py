@@ -17,6 +17,7 @@ from prefect import flow
 from prefect.runtime import flow_run
 
 from flows.config import CampaignConfig
+from flows.progress import StageProgress, artifact_key, publish_rounds_table, stage_logger
 from flows.round import rl_round
 from flows.stages import Stages
 from flows.tasks import open_round_task, preflight_task, prepare_base_task, register_base_task
@@ -121,7 +122,10 @@ def rl_campaign(
 
 def _rounds(config: CampaignConfig, storage: str, run_id: str, version: str, owner: Owner) -> dict:
     rc = config.round
-    base = prepare_base_task(storage=storage, base_model=rc.policy.base_model)
+    building = StageProgress("base build", artifact_key(run_id, "base-build"), "building the base policy")
+    stage_logger().info("base policy %s: preparing (built on first use, then cached)", rc.policy.base_model)
+    base = prepare_base_task(storage=storage, base_model=rc.policy.base_model, progress=building)
+    building.done()
     runs = open_round_task(
         storage=storage,
         experiment=config.experiment,
@@ -155,6 +159,7 @@ def _rounds(config: CampaignConfig, storage: str, run_id: str, version: str, own
     )
     log.info("round 0 (base %s): held-out accuracy %.1f%%", base.base_model, 100 * round0.stats["eval/accuracy"])
     history = [{"round": 0, "model_version": round0.model_version, "accuracy": round0.stats["eval/accuracy"]}]
+    publish_rounds_table(run_id, history)
     parent_checkpoint, parent_version = base.checkpoint, round0.model_version
     for k in range(1, config.rounds + 1):
         assert_owner(StorageRoot.of(storage), run_id, owner)  # a process that lost a takeover stops here
@@ -178,8 +183,11 @@ def _rounds(config: CampaignConfig, storage: str, run_id: str, version: str, own
                 "accuracy": s["eval/accuracy"],
                 "trajectory_version": result.trajectory_version,
                 "seconds": s["time/round_s"],
+                "reward": s.get("verify/mean_reward"),
+                "kept_groups": s.get("filter/kept_groups"),
             }
         )
+        publish_rounds_table(run_id, history)
         parent_checkpoint, parent_version = result.checkpoint, result.model_version
         if config.stop_at_accuracy is not None and s["eval/accuracy"] >= config.stop_at_accuracy:
             log.info(

@@ -168,7 +168,7 @@ def generate_and_verify(
             for sample in engine.generate(requests, pool.should_stop):
                 pool.on_sample(sample)
                 seen += 1
-                if progress and seen % 2048 == 0:
+                if progress and seen % 256 == 0:  # the callback throttles what it shows
                     progress(f"rollout: {seen} samples, {pool.trainable}/{target_groups} trainable groups")
         harvest = pool.finish()
     finally:

@@ -14,6 +14,7 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
+from tasks.approval import run_decide_promotion
 from tasks.base import run_prepare_base, run_register_base
 from tasks.evaluate import run_evaluate, run_evaluate_version
 from tasks.filter import run_filter
@@ -65,3 +66,4 @@ publish_replay_task = _task("publish-replay", run_publish_replay)
 refilter_task = _task("refilter", run_refilter)
 reverify_task = _task("reverify", run_reverify)
 resolve_start_task = _task("resolve-start", run_resolve_start)
+decide_promotion_task = _task("decide-promotion", run_decide_promotion)

@@ -42,6 +42,12 @@ class EvaluateConfig(Config):
     """Most new tokens per greedy answer."""
     champion_alias: str = "champion"
     """Registry alias moved to a checkpoint whose serving accuracy is not below the current champion's."""
+    approval: Literal["none", "required"] = "none"
+    """Who moves the champion alias once a checkpoint passes the gate. 'none': the round moves it.
+    'required': the round pauses after evaluation, shows its accuracy beside the champion's, and waits
+    for a person to approve or reject in the Prefect UI; only an approval moves the alias."""
+    approval_timeout_s: int = Field(86_400, ge=1)
+    """How long a round waits for an approval; no answer by then rejects the checkpoint."""
 
 
 def accuracy(engine, tokenizer, prompts, verifier: Verifier, max_tokens: int) -> dict[str, float]:
@@ -128,6 +134,7 @@ def evaluation_tags(result: dict) -> dict[str, float | str]:
 
 
 PROMOTED_TAG = "eval.promoted"  # written last: a version carrying it has been evaluated and gated
+GATE_TAG = "eval.gate_passed"  # its accuracy was not below the champion's (promoted unless approval is required)
 
 
 def recorded_evaluation(tags: dict[str, str]) -> dict[str, float | str]:
@@ -141,6 +148,7 @@ def recorded_evaluation(tags: dict[str, str]) -> dict[str, float | str]:
         "infra_failures",
         "mean_tokens",
         "promoted",
+        "gate_passed",
     )
     return {**{f"eval/{k}": float(tags[f"eval.{k}"]) for k in numbers if f"eval.{k}" in tags}, **text}
 
@@ -178,7 +186,7 @@ def run_evaluate(
     local = checkpoints.local_copy(root, checkpoint)
     held_out = evaluation_prompts(prompts, config.source)
     result = evaluate_checkpoint(local, held_out, verify, config, train_dtype, policy_version=ctx.round)
-    promoted = False
+    promoted = passed = False
     if model_version:
         name, version = parse_model_version(model_version)
         tracker.tag_model_version(
@@ -195,12 +203,15 @@ def run_evaluate(
         best = -1.0
         if champion and champion != version:
             best = champion_accuracy(tracker, root, name, champion, result, held_out, verify, config, train_dtype)
-        if result["eval/accuracy"] >= best:
+        passed = result["eval/accuracy"] >= best
+        if passed and config.approval == "none":  # 'required': a person decides (tasks/approval.py)
             tracker.set_alias(name, config.champion_alias, version)
             promoted = True
-        tracker.tag_model_version(name, version, {PROMOTED_TAG: float(promoted)})
+        if best >= 0:
+            result = {**result, "eval/champion_accuracy": best}
+        tracker.tag_model_version(name, version, {PROMOTED_TAG: float(promoted), GATE_TAG: float(passed)})
         describe_version(tracker, root, model_version)  # the MLflow UI's summary of the tags just written
-    return Evaluation(stats={**result, "eval/promoted": float(promoted)})
+    return Evaluation(stats={**result, "eval/promoted": float(promoted), "eval/gate_passed": float(passed)})
 
 
 def champion_accuracy(

@@ -146,7 +146,9 @@ def test_deployments_forms_and_schedule_are_registered(server):
     with _client() as client:
         campaign = client.read_deployment_by_name("rl-campaign/campaign")
         schema = campaign.parameter_openapi_schema
-        rollout = schema["definitions"]["RolloutConfig"]["properties"]
+        definitions = schema.get("definitions") or schema.get("$defs")
+        assert definitions, f"no model definitions in the stored schema: {sorted(schema)}"
+        rollout = definitions["RolloutConfig"]["properties"]
         assert rollout["dtype"]["enum"] == ["float32", "bfloat16", "float16"]
         assert rollout["dtype"]["description"].startswith("Engine precision")
         assert schema["properties"]["storage"]["description"].startswith("Storage root")
@@ -156,7 +158,9 @@ def test_deployments_forms_and_schedule_are_registered(server):
         (nightly,) = round_.schedules
         assert nightly.active is False and nightly.schedule.cron == "0 2 * * *"
         assert nightly.parameters == {"start": "rlrounds-policy@champion"}
-        assert round_.concurrency_limit == 1 and campaign.concurrency_limit == 1
+        for deployment in (round_, campaign):  # one run at a time, the rest wait in line
+            assert deployment.global_concurrency_limit.limit == 1, deployment.global_concurrency_limit
+            assert deployment.concurrency_options.collision_strategy == "ENQUEUE"
         names = {d.name for d in client.read_deployments()}
         assert {"campaign", "round", "evaluate", "replay", "refilter", "reverify"} <= names
 

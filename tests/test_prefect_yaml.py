@@ -77,13 +77,13 @@ def test_every_form_field_has_help_and_every_optional_field_a_default():
 
 
 def test_choices_are_enums_in_the_forms():
-    schema = _schema(_flow({"entrypoint": "flows/start.py:rl_round_from"}))
+    schema = _schema(_flow({"entrypoint": "flows.start:rl_round_from"}))
     definitions = schema["definitions"]
     assert definitions["RolloutConfig"]["properties"]["dtype"]["enum"] == ["float32", "bfloat16", "float16"]
     assert definitions["EvaluateConfig"]["properties"]["serving_dtype"]["enum"] == ["float32", "bfloat16", "float16"]
     assert definitions["RolloutConfig"]["properties"]["engine"]["enum"] == ["embedded", "vllm"]
     assert definitions["TrainConfig"]["properties"]["aggregation"]["enum"] == ["token", "sequence", "dr_grpo"]
-    evaluate = _schema(_flow({"entrypoint": "flows/evaluate.py:rl_evaluate"}))["properties"]
+    evaluate = _schema(_flow({"entrypoint": "flows.evaluate:rl_evaluate"}))["properties"]
     (choices,) = [option["enum"] for option in evaluate["serving_dtype"]["anyOf"] if "enum" in option]  # or null
     assert choices == ["float32", "bfloat16", "float16"]
 

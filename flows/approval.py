@@ -7,14 +7,19 @@ within ``evaluate.approval_timeout_s`` is a rejection.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from prefect.artifacts import create_markdown_artifact
 from prefect.exceptions import FlowPauseTimeout
 from prefect.flow_runs import pause_flow_run
 from prefect.input import RunInput
 
 from flows.progress import artifact_key, stage_logger
+from flows.tasks import decide_promotion_task
 from tasks.approval import approval_markdown
+from tasks.context import RoundContext
 from tasks.evaluate import EvaluateConfig
+from tasks.results import Evaluation, NotInput, Stats
 
 
 class Approval(RunInput):
@@ -49,3 +54,17 @@ def ask_for_approval(run_id: str, round_index: int, model_version: str, champion
     decision = "approved" if answer.approve else "rejected"
     logger.info("round %d: %s %s%s", round_index, decision, model_version, f" ({answer.note})" if answer.note else "")
     return decision
+
+
+def approve_and_promote(
+    *,
+    ctx: RoundContext,
+    config: EvaluateConfig,
+    model_version: str,
+    stats: Annotated[Stats, NotInput("the evaluation the approver reads")],
+    champion_name: Annotated[str, NotInput("the registered model name, for the approver")],
+) -> Evaluation:
+    """The round's promote stage: ask, then apply the answer (tasks/approval.run_decide_promotion)."""
+    champion = f"{champion_name}@{config.champion_alias}" if "eval/champion_accuracy" in stats else None
+    decision = ask_for_approval(ctx.run_id, ctx.round, model_version, champion, stats, config)
+    return decide_promotion_task(ctx=ctx, config=config, model_version=model_version, decision=decision)

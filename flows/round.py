@@ -12,12 +12,11 @@ import time
 from prefect import flow
 from prefect.runtime import flow_run
 
-from flows.approval import ask_for_approval
+from flows.approval import approve_and_promote
 from flows.config import RoundConfig
 from flows.progress import StageProgress, artifact_key
 from flows.stages import Stages
 from flows.tasks import (
-    decide_promotion_task,
     evaluate_task,
     filter_task,
     open_round_task,
@@ -103,12 +102,10 @@ def rl_round(config: RoundConfig, storage: str, run_id: str, round_index: int, e
                            verify=config.verify_resolved, checkpoint=trained.checkpoint,
                            model_version=published.model_version)
     if config.evaluate.approval == "required" and evaluation.stats.get("eval/gate_passed"):
-        champion = f"{config.publish.model_name}@{config.evaluate.champion_alias}"
-        decision = ask_for_approval(run_id, round_index, published.model_version,
-                                    champion if "eval/champion_accuracy" in evaluation.stats else None,
-                                    evaluation.stats, config.evaluate)
-        decided = stage.run("promote", decide_promotion_task, ctx=ctx, config=config.evaluate,
-                            model_version=published.model_version, decision=decision)
+        # one stage: a resumed round whose decision is recorded does not ask again
+        decided = stage.run("promote", approve_and_promote, ctx=ctx, config=config.evaluate,
+                            model_version=published.model_version, stats=evaluation.stats,
+                            champion_name=config.publish.model_name)
         evaluation = evaluation.model_copy(update={"stats": {**evaluation.stats, **decided.stats}})
     clock.lap("evaluate")
 

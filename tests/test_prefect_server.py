@@ -91,13 +91,19 @@ def server(tmp_path_factory, seed_builtin_base):
                 time.sleep(1)
         _prefect(env, "work-pool", "create", "rlrounds", "--type", "process")
         _prefect(env, "--no-prompt", "deploy", "--all")
-        worker_log = open(home / "worker.log", "w")
-        worker = subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", "rlrounds"],
-                                  cwd=REPO, env=env, stdout=worker_log, stderr=subprocess.STDOUT,
-                                  start_new_session=True)
-        started.append(worker)
+        worker_log = open(home / "worker.log", "a")
+
+        def start_worker() -> subprocess.Popen:
+            worker = subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", "rlrounds"],
+                                      cwd=REPO, env=env, stdout=worker_log, stderr=subprocess.STDOUT,
+                                      start_new_session=True)  # its flow runs share its process group
+            started.append(worker)
+            return worker
+
+        start_worker()
         with temporary_settings({PREFECT_API_URL: api}):
-            yield {"api": api, "storage": storage, "env": env, "home": home}
+            yield {"api": api, "storage": storage, "env": env, "home": home, "start_worker": start_worker,
+                   "processes": started}
     finally:
         for process in reversed(started):
             _stop(process)
@@ -268,3 +274,41 @@ def test_approval_moves_the_alias_only_when_approved(server, campaign_run, answe
         assert made.tags["eval.approval"] == "timed_out" and made.tags["eval.promoted"] == "0.0"
         with pytest.raises(Exception, match="alias"):
             registry.get_model_version_by_alias(MODEL, alias)
+
+
+def test_a_killed_worker_and_a_rerun_with_the_same_run_id_continue_the_campaign(server, campaign_run):
+    """Kill the worker (and the flow run it started) once round 1 is committed; mark the run crashed
+    as a person would in the UI, start a worker again and re-run the deployment with the same run id:
+    the campaign finishes with one model version and one trajectory version per round."""
+    from prefect.client.schemas.objects import StateType
+    from prefect.deployments import run_deployment
+    from prefect.states import Crashed
+
+    from storage.paths import StorageRoot
+    from storage.trajectories import list_manifests
+
+    parameters = {"config": {"rounds": 2, "run_id": "srv-kill", "round": ROUND}}
+    first = run_deployment("rl-campaign/campaign", parameters=parameters, timeout=0)
+    root = StorageRoot.of(server["storage"])
+    record = root.stage_record("srv-kill", 1, "record")
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while not root.fs.exists(record):  # round 1 committed: the kill lands in round 2
+        assert time.monotonic() < deadline, "round 1 of the campaign never committed"
+        time.sleep(1)
+    worker = server["processes"][-1]
+    _stop(worker)  # SIGTERM to the worker's process group: the flow run dies with it
+    with _client() as client:
+        killed = client.read_flow_run(first.id)
+        if not killed.state.is_final():
+            client.set_flow_run_state(first.id, Crashed(message="worker killed"), force=True)
+        assert client.read_flow_run(first.id).state.type in (StateType.CRASHED, StateType.FAILED,
+                                                              StateType.CANCELLED)
+    server["start_worker"]()
+    second = _run("rl-campaign/campaign", parameters)
+    assert second.id != first.id
+    versions = [v for v in _registry(server["storage"]).search_model_versions(f"name = '{MODEL}'")
+                if v.tags["run_id"] == "srv-kill"]
+    assert sorted(v.tags["round"] for v in versions) == ["0", "1", "2"]  # none registered twice
+    rounds = sorted(m.body["round"] for m in list_manifests(root) if m.body.get("run_id") == "srv-kill"
+                    and not m.parent)
+    assert rounds == [1, 2]  # one committed trajectory version per round

@@ -61,11 +61,12 @@ def straggler_wait(stats: dict[str, Any]) -> dict[str, float]:
     return {"rollout/straggler_wait_s": max(0.0, started - ready)}
 
 
-def _tail(s: dict, prefix: str) -> str:
-    return (
-        f"p50 {_fmt(s, prefix + '_p50_s', '.3f')}, p90 {_fmt(s, prefix + '_p90_s', '.3f')}, "
-        f"p99 {_fmt(s, prefix + '_p99_s', '.3f')}, max {_fmt(s, prefix + '_max_s', '.3f', ' s')}"
-    )
+def _tail(s: dict, what: str, prefix: str) -> list[tuple[str, str]]:
+    """Two short rows (p50 / p90, p99 / max) rather than one wide one."""
+    return [
+        (f"{what} p50 / p90", f"{_fmt(s, prefix + '_p50_s', '.3f')} / {_fmt(s, prefix + '_p90_s', '.3f', ' s')}"),
+        (f"{what} p99 / max", f"{_fmt(s, prefix + '_p99_s', '.3f')} / {_fmt(s, prefix + '_max_s', '.3f', ' s')}"),
+    ]
 
 
 def _length_bias(s: dict) -> list[tuple[str, str]]:
@@ -87,21 +88,23 @@ def report_sections(s: dict) -> list[tuple[str, list[tuple[str, str]]]]:
     return [
         ("batch readiness", [
             ("time to a trainable batch", _fmt(s, "rollout/time_to_trainable_batch_s", ".2f", " s")),
-            ("straggler wait paid (batch ready to training start)", _fmt(s, "rollout/straggler_wait_s", ".2f", " s")),
+            ("straggler wait (batch ready to training start)", _fmt(s, "rollout/straggler_wait_s", ".2f", " s")),
             ("groups complete / trainable target",
              f"{_fmt(s, 'rollout/groups', '.0f')} / {_fmt(s, 'rollout/target_groups', '.0f')}"),
         ]),
         ("long tail", [
-            ("generation latency", _tail(s, "rollout/gen_latency")),
-            ("environment latency", _tail(s, "verify/env_latency")),
+            *_tail(s, "generation latency", "rollout/gen_latency"),
+            *_tail(s, "environment latency", "verify/env_latency"),
             ("slow environment (stop point timing-dependent)", _fmt(s, "rollout/slow_environment", ".0f")),
         ]),
         ("carry-over", [
-            ("carried out: groups, partial samples (tokens), awaiting the environment",
-             f"{_fmt(s, 'rollout/carried_out_groups', '.0f')}, {_fmt(s, 'rollout/carried_out_partial_samples', '.0f')} "
-             f"({_fmt(s, 'rollout/carried_out_tokens', '.0f')}), "
-             f"{_fmt(s, 'rollout/carried_out_unverified_samples', '.0f')}"),
-            ("carried in: groups, finished here",
+            ("groups carried out", _fmt(s, "rollout/carried_out_groups", ".0f")),
+            ("partial samples carried out (tokens)",
+             f"{_fmt(s, 'rollout/carried_out_partial_samples', '.0f')} "
+             f"({_fmt(s, 'rollout/carried_out_tokens', '.0f')})"),
+            ("samples carried out awaiting the environment",
+             _fmt(s, "rollout/carried_out_unverified_samples", ".0f")),
+            ("groups carried in, finished here",
              f"{_fmt(s, 'rollout/carried_in_groups', '.0f')}, {_fmt(s, 'rollout/carried_in_finished_groups', '.0f')}"),
             ("samples spanning policy versions (kept)",
              f"{_fmt(s, 'rollout/samples_spanning_versions', '.0f')} "

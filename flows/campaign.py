@@ -152,7 +152,7 @@ def _rounds(config: CampaignConfig, storage: str, run_id: str, version: str, own
         "base",
         register_base_task,
         ctx=ctx0,
-        publish=rc.publish,
+        publish=rc.publish_resolved,
         evaluate=rc.evaluate,
         prompts=rc.prompts,
         verify=rc.verify_resolved,

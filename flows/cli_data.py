@@ -1,5 +1,6 @@
 """``rlrounds`` commands over what rounds leave behind: trajectories (list, show, export), refilter,
-reverify, replay, lineage and gc. ``add_commands`` registers them on the main parser (flows/cli.py).
+reverify, replay, lineage, gc, and the tracking server over a root's MLflow store. ``add_commands``
+registers them on the main parser (flows/cli.py).
 
 Only argparse is imported here at module level; each command imports what it needs, so
 ``rlrounds --help`` stays instant. Read-only commands never create anything under the root.
@@ -80,6 +81,17 @@ def add_commands(sub) -> None:
     lineage.add_argument("--json", action="store_true", help="print the steps as JSON")
     _storage_arg(lineage)
     lineage.set_defaults(func=cmd_lineage)
+
+    server = sub.add_parser(
+        "tracking-server",
+        help="serve the storage root's MLflow store over HTTP, for rounds on many processes or hosts "
+        "(they set RLROUNDS_MLFLOW_URI to its address)",
+    )
+    server.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0 for other hosts)")
+    server.add_argument("--port", type=int, default=5000, help="port to listen on (default 5000)")
+    server.add_argument("--workers", type=int, default=2, help="server worker processes (default 2)")
+    _storage_arg(server)
+    server.set_defaults(func=cmd_tracking_server)
 
     gc = sub.add_parser("gc", help="remove uncommitted leftovers (never a committed version or checkpoint)")
     gc.add_argument(
@@ -314,6 +326,30 @@ def cmd_lineage(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(format_lineage(steps))
     return 0
+
+
+def cmd_tracking_server(args: argparse.Namespace) -> int:
+    """Open (create, migrate) the root's MLflow store under its lock, then become ``mlflow server`` on it."""
+    from flows.errors import UserError
+    from storage.lineage import Tracker, server_command
+    from storage.paths import StorageRoot
+    from storage.settings import settings
+
+    if args.workers < 1 or not 0 < args.port < 65536:
+        raise UserError("--workers must be 1 or more and --port a port number (1-65535)")
+    root = StorageRoot.of(args.storage or settings().storage)
+    if root.is_local:
+        os.makedirs(root.uri, exist_ok=True)
+    local = settings().model_copy(update={"mlflow_uri": None})  # the store itself, not a server in front of it
+    Tracker.connect(local, root)
+    command = server_command(local, root, args.host, args.port, args.workers)
+    print(
+        f"rlrounds: MLflow tracking server for {root.uri} on http://{args.host}:{args.port}; rounds use it with "
+        f"RLROUNDS_MLFLOW_URI=http://{args.host}:{args.port}",
+        flush=True,
+    )
+    os.execv(command[0], command)
+    return 0  # not reached: the process is the server now
 
 
 def cmd_gc(args: argparse.Namespace) -> int:

@@ -88,6 +88,12 @@ class RoundConfig(Config):
         """The verify section with its verifier named (what rollout and evaluation score with)."""
         return self.verify.model_copy(update={"verifier": self.verifier})
 
+    @property
+    def publish_resolved(self) -> PublishConfig:
+        """The publish section with its promotion line and registered model name filled in: by default one
+        line, and one registered model with its own champion, per task and held-out set."""
+        return self.publish.resolved(self.prompts.task, self.evaluate.source)
+
     def config_hash(self) -> str:
         canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]

@@ -32,7 +32,7 @@ def rl_evaluate(model_version: str, config: RoundConfig | None = None,
     """Score a registered model version at a serving engine and precision, and at training precision.
 
     Args:
-        model_version: The registered model version to score, NAME/VERSION (e.g. rlrounds-policy/3).
+        model_version: The registered model version to score, NAME/VERSION (e.g. rlrounds-addition/3).
         config: Round config whose evaluate, prompts and verify sections apply. Default: the defaults.
         serving_engine: Serving engine, overriding config.evaluate.serving_engine.
         serving_dtype: Serving precision, overriding config.evaluate.serving_dtype.

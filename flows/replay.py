@@ -49,7 +49,7 @@ class ReplayRequest(Config):
             parse_model_version(v)
         except LineageError:
             raise ValueError(
-                f"from_model {v!r} must be a registered model version NAME/VERSION, e.g. rlrounds-policy/3"
+                f"from_model {v!r} must be a registered model version NAME/VERSION, e.g. rlrounds-addition/3"
             ) from None
         return v
 
@@ -72,6 +72,7 @@ def rl_replay(request: ReplayRequest, storage: str | None = None) -> dict:
         config_hash=request.config.config_hash() if request.config else None,
         model_name=request.model_name,
         task=rc.prompts.task,
+        line=rc.publish_resolved.line,
         code_version=code_version(),
         flow_run_id=str(flow_run.id or "none"),
     )

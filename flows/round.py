@@ -93,8 +93,9 @@ def rl_round(config: RoundConfig, storage: str, run_id: str, round_index: int, e
     trained = stage.run("train", train_task, ctx=ctx, trajectory_uri=trajectories.uri, config=config.train,
                         temperature=config.rollout.temperature, rollout_dtype=config.rollout.dtype)
     clock.lap("train")
-    published = stage.run("publish", publish_task, ctx=ctx, config=config.publish, checkpoint=trained.checkpoint,
-                          trajectory_version=trajectories.version, trajectory_uri=trajectories.uri,
+    published = stage.run("publish", publish_task, ctx=ctx, config=config.publish_resolved,
+                          checkpoint=trained.checkpoint, trajectory_version=trajectories.version,
+                          trajectory_uri=trajectories.uri,
                           committed_at=trained.committed_at, engine=config.rollout.engine,
                           engine_dtype=config.rollout.dtype, max_batch=config.rollout.max_batch)
     clock.lap("publish")
@@ -105,7 +106,7 @@ def rl_round(config: RoundConfig, storage: str, run_id: str, round_index: int, e
         # one stage: a resumed round whose decision is recorded does not ask again
         decided = stage.run("promote", approve_and_promote, ctx=ctx, config=config.evaluate,
                             model_version=published.model_version, stats=evaluation.stats,
-                            champion_name=config.publish.model_name)
+                            champion_name=config.publish_resolved.registered_name)
         evaluation = evaluation.model_copy(update={"stats": {**evaluation.stats, **decided.stats}})
     clock.lap("evaluate")
 

@@ -1,6 +1,6 @@
 """One round from a model the user knows: the ``round`` deployment's flow.
 
-``start`` is ``NAME@ALIAS`` (``rlrounds-policy@champion``), ``NAME/VERSION`` or ``base``; the registry
+``start`` is ``NAME@ALIAS`` (``rlrounds-addition@champion``), ``NAME/VERSION`` or ``base``; the registry
 supplies the parent's checkpoint, policy version and base model (tasks/start.py). The round is the
 one round of its own run id, claimed like a campaign (one writer per run id), so re-running the flow
 with the same run id resumes it, and always from the version ``start`` resolved to the first time.
@@ -23,7 +23,7 @@ from tasks.start import BASE
 
 @flow(name="rl-round-from", validate_parameters=True)
 def rl_round_from(
-    start: str = "rlrounds-policy@champion",
+    start: str = "rlrounds-addition@champion",
     config: RoundConfig = RoundConfig(),  # noqa: B008 -- a frozen default the UI shows filled in
     run_id: str | None = None,
     experiment: str = "rlrounds",
@@ -32,8 +32,8 @@ def rl_round_from(
     """Run one RL round starting from a registered model version.
 
     Args:
-        start: The model to start from: NAME@ALIAS (e.g. rlrounds-policy@champion), NAME/VERSION
-            (e.g. rlrounds-policy/3), or 'base' for the config's policy.base_model (registered as round 0).
+        start: The model to start from: NAME@ALIAS (e.g. rlrounds-addition@champion), NAME/VERSION
+            (e.g. rlrounds-addition/3), or 'base' for the config's policy.base_model (registered as round 0).
         config: Everything the round does, stage by stage.
         run_id: Run id of this round (directory and MLflow tag). Default: a fresh one. Re-running with
             the same run id resumes the round from its last committed stage.

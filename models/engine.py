@@ -387,6 +387,23 @@ class _Batch:
         self.cache.batch_select_indices(rows)
         self.mask, self.next_pos, self.logits = self.mask[rows], self.next_pos[rows], self.logits[rows]
         self.last_tokens = self.last_tokens[rows]
+        self._trim()
+
+    def _trim(self) -> None:
+        """Drop the leading columns no remaining row uses. Rows are left-padded, so once the longest
+        sequence has left, its padding is all that is left of those columns; without this the mask and
+        cache keep growing one column per step for as long as the batch keeps running (refilled waves
+        never empty it), and every step and every merge pays for the whole history."""
+        import torch
+
+        used = self.mask.any(dim=0)  # [L]
+        first = int(used.to(torch.int8).argmax())
+        if first == 0:
+            return
+        self.mask = self.mask[:, first:]
+        for layer in self.cache.layers:
+            layer.keys = layer.keys[:, :, first:, :]
+            layer.values = layer.values[:, :, first:, :]
 
     def merge(self, new: _Batch) -> _Batch:
         """Join a freshly prefilled wave to the running batch; both must have logits ready.

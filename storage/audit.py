@@ -1,7 +1,7 @@
 """Lineage audit: from a registered model version back to the base policy, one step per checkpoint.
 
 Reads only the MLflow registry (each model version's lineage tags: ``parent_model_version``,
-``trajectory_version``, ``config_hash``, ``code_version``, ``prefect_flow_run_id``, ``eval.*``) and the
+``trajectory_version``, ``config_hash``, ``code_version``, ``prefect_flow_run_id``, ``line``, ``eval.*``) and the
 trajectory manifests (how each trajectory version was derived). No run, checkpoint or Prefect server
 has to be alive for an audit.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from storage.lineage import LineageError, parse_model_version
+from storage.lineage import LINE_TAG, LineageError, checkpoint_uri, parse_model_version
 from storage.paths import StorageRoot
 
 NO_PARENT = "none"
@@ -38,6 +38,10 @@ class LineageStep:
     base_model: str = ""
     checkpoint: str = ""
     evaluation: dict[str, str] = field(default_factory=dict)
+    line: str = ""
+    """The promotion line the version belongs to (empty for versions registered before lines existed)."""
+    aliases: list[str] = field(default_factory=list)
+    """Registry aliases the version holds now, e.g. ['champion'] for its line's champion."""
 
 
 def derivation_of(root: StorageRoot, trajectory_version: str, limit: int = 100) -> list[dict]:
@@ -107,8 +111,10 @@ def walk(tracker: Any, root: StorageRoot, ref: str, limit: int = 10_000) -> list
                 code_version=tags.get("code_version", ""),
                 prefect_flow_run_id=tags.get("prefect_flow_run_id", ""),
                 base_model=tags.get("base_model", ""),
-                checkpoint=str(mv.source or ""),
+                checkpoint=checkpoint_uri(mv),
                 evaluation={k.removeprefix("eval."): v for k, v in sorted(tags.items()) if k.startswith("eval.")},
+                line=tags.get(LINE_TAG, ""),
+                aliases=sorted(getattr(mv, "aliases", None) or []),
             )
         )
         current = parent
@@ -165,6 +171,7 @@ def format_lineage(steps: list[LineageStep]) -> str:
             f"  config        {s.config_hash}    code {s.code_version}",
             f"  prefect run   {s.prefect_flow_run_id}",
             f"  evaluation    {describe_evaluation(s.evaluation)}",
+            f"  line          {s.line or 'not recorded'}{''.join(f'  [{a}]' for a in s.aliases)}",
             f"  checkpoint    {s.checkpoint}",
             f"  parent        {s.parent_model_version}",
             "",

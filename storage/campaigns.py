@@ -29,7 +29,7 @@ from typing import Any, Literal
 from storage.files import NoExclusiveCreate, create_exclusive, write_atomic
 from storage.paths import StorageRoot
 
-RECORD_VERSION = 3
+RECORD_VERSION = 4
 """The format of the stage records and how flows/stages.py derives their inputs keys. Bump it when
 either changes: a campaign recorded under another version is refused, never resumed wrongly."""
 

@@ -8,9 +8,13 @@ truncated marker that a reader would trust.
 
 from __future__ import annotations
 
+import json
 import os
 import posixpath
 import secrets
+import socket
+import time
+from contextlib import contextmanager
 
 from storage.paths import StorageRoot
 
@@ -65,3 +69,46 @@ def create_exclusive(root: StorageRoot, path: str, data: bytes) -> bool:
             f"the store under {root.uri} cannot create {path} exclusively ({type(exc).__name__}: {exc}); "
             "use a local directory or an S3 store with conditional writes (If-None-Match)"
         ) from exc
+
+
+class LeaseTimeout(TimeoutError):
+    pass
+
+
+@contextmanager
+def lease(root: StorageRoot, path: str, *, ttl_s: float = 300.0, wait_s: float = 600.0, poll_s: float = 0.2):
+    """Hold ``path`` as an exclusive lease while the block runs: a small file created only-if-absent
+    (``create_exclusive``), removed on the way out. Another holder is waited for up to ``wait_s``; a
+    lease older than ``ttl_s`` is taken to belong to a holder that died and is broken, so ``ttl_s`` must
+    be well above the longest time the block can take. Good for short critical sections shared by
+    processes and hosts on one storage root (a champion's read-compare-set), not for long ownership."""
+    token = secrets.token_hex(8)
+    deadline = time.monotonic() + wait_s
+    while True:
+        body = json.dumps({"token": token, "pid": os.getpid(), "host": socket.gethostname(), "at": time.time()})
+        if create_exclusive(root, path, body.encode()):
+            break
+        held: dict = {}
+        try:
+            held = json.loads(root.fs.cat_file(path))
+            if time.time() - float(held.get("at", 0)) > ttl_s:
+                root.fs.rm(path)  # a dead holder's: break it, then race for it like everyone else
+                continue
+        except FileNotFoundError:
+            continue  # released between our attempt and the read
+        except (ValueError, TypeError):
+            pass  # being written (object stores show it whole; a local link is atomic): look again
+        if time.monotonic() > deadline:
+            raise LeaseTimeout(
+                f"{path} has been held by pid {held.get('pid')} on {held.get('host')} for over {wait_s:.0f} s; "
+                f"if that process is gone, delete the file (it expires by itself after {ttl_s:.0f} s)"
+            )
+        time.sleep(poll_s)
+    try:
+        yield
+    finally:
+        try:
+            if json.loads(root.fs.cat_file(path)).get("token") == token:
+                root.fs.rm(path)
+        except (FileNotFoundError, ValueError):
+            pass

@@ -30,17 +30,29 @@ LINEAGE_TAGS = (
     "code_version",
     "prefect_flow_run_id",
 )
+CHECKPOINT_TAG = "checkpoint"
+"""The checkpoint URI, beside the version's source: an MLflow server accepts a local path as a source only
+inside the run's artifact directory, so through one a local checkpoint is registered with the run's
+artifact URI as its source and found by this tag (``checkpoint_uri``)."""
+LINE_TAG = "line"
+"""A model version's promotion line (tasks/publish.py, promotion_line): the champion gate compares only
+versions of one line. Versions registered before lines existed have none."""
 
 
 class LineageError(RuntimeError):
     pass
 
 
+def checkpoint_uri(model_version: Any) -> str:
+    """The checkpoint a registered model version was trained into (its tag, else its source)."""
+    return str((model_version.tags or {}).get(CHECKPOINT_TAG) or model_version.source or "")
+
+
 def parse_model_version(ref: str) -> tuple[str, str]:
     """'NAME/VERSION' -> (name, version); the one parser of a registered model version reference."""
     name, sep, version = ref.rpartition("/")
     if not sep or not name or not version.isdigit():
-        raise LineageError(f"model version {ref!r} must look like NAME/VERSION, e.g. rlrounds-policy/3")
+        raise LineageError(f"model version {ref!r} must look like NAME/VERSION, e.g. rlrounds-addition/3")
     return name, version
 
 
@@ -58,6 +70,31 @@ def tracking_uris(settings: Settings, root: StorageRoot) -> tuple[str, str]:
         tracking = f"sqlite:///{local_mlflow_db(root.uri)}"
     artifacts = settings.mlflow_artifacts or root.mlflow_artifacts()
     return tracking, artifacts
+
+
+def server_command(settings: Settings, root: StorageRoot, host: str, port: int, workers: int) -> list[str]:
+    """``mlflow server`` over the root's own store: the SQLite file rounds use without a server (with the
+    same lock wait) and the root's artifact directory, so a server started later sees what rounds wrote
+    before, and rounds that stop using it later see what they wrote through it."""
+    import sys
+
+    tracking, artifacts = tracking_uris(settings.model_copy(update={"mlflow_uri": None}), root)
+    return [
+        sys.executable,
+        "-m",
+        "mlflow",
+        "server",
+        "--backend-store-uri",
+        f"{tracking}?timeout={SQLITE_BUSY_TIMEOUT_S}",
+        "--artifacts-destination",
+        artifacts,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--workers",
+        str(workers),
+    ]
 
 
 def probe_server(tracking: str, timeout_s: float = 5.0) -> None:
@@ -98,6 +135,8 @@ def _exclusive(lock_path: str) -> Iterator[None]:
 class Tracker:
     client: Any
     artifact_location: str
+    server: bool = False
+    """Talking to an MLflow tracking server (RLROUNDS_MLFLOW_URI=http://...) rather than a SQLite file."""
 
     @classmethod
     def connect(cls, settings: Settings, root: StorageRoot, must_exist: bool = False) -> Tracker:
@@ -128,7 +167,7 @@ class Tracker:
                 raise LineageError(
                     f"cannot reach MLflow at {tracking}: {exc}; set RLROUNDS_MLFLOW_URI to a reachable tracking server"
                 ) from exc
-            return cls(client, artifacts)
+            return cls(client, artifacts, server=tracking.startswith(("http://", "https://")))
         # Many campaigns, rounds and replays may open one SQLite store at once. MLflow creates and
         # migrates a new store on first use, and two processes migrating together break each other
         # (duplicate tables, half-applied revisions), so one process at a time opens it. Writers then
@@ -222,8 +261,14 @@ class Tracker:
         missing = [t for t in LINEAGE_TAGS if t not in tags]
         if missing:
             raise LineageError(f"refusing to register {name} without lineage tags: {', '.join(missing)}")
+        registered_source = source
+        if self.server and "://" not in source:  # see CHECKPOINT_TAG
+            registered_source = self.client.get_run(run_id).info.artifact_uri
         mv = self.client.create_model_version(
-            name, source=source, run_id=run_id, tags={k: str(v) for k, v in tags.items()}
+            name,
+            source=registered_source,
+            run_id=run_id,
+            tags={**{k: str(v) for k, v in tags.items()}, CHECKPOINT_TAG: source},
         )
         return str(mv.version)
 

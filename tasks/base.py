@@ -69,9 +69,11 @@ def run_register_base(
             config_hash=ctx.config_hash,
             code_version=ctx.code_version,
             prefect_flow_run_id=ctx.flow_run_id,
+            line=publish.line or "",
         )
-        version = tracker.register(publish.model_name, ctx.parent_checkpoint, ctx.mlflow_run_id, tags)
-        model_version = f"{publish.model_name}/{version}"
+        name = publish.registered_name
+        version = tracker.register(name, ctx.parent_checkpoint, ctx.mlflow_run_id, tags)
+        model_version = f"{name}/{version}"
     evaluation = run_evaluate(
         ctx=ctx,
         config=evaluate.model_copy(update={"approval": "none"}),  # the starting point: nothing to decide

@@ -48,8 +48,16 @@ class _Serving:
 _lock = threading.Lock()
 _serving: dict[tuple[str, str, str], _Serving] = {}
 
-_SHAPE_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                 "num_attention_heads", "num_key_value_heads", "tie_word_embeddings")
+_SHAPE_FIELDS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "tie_word_embeddings",
+)
 
 
 def model_shape(local_dir: str) -> str:
@@ -91,8 +99,14 @@ def build_engine(kind: str, local_dir: str, dtype: str, policy_version: int, max
     raise ValueError(f"unknown engine {kind!r}; use one of: {', '.join(ENGINES)}")
 
 
-def make_engine(kind: str, local_dir: str, dtype: str, policy_version: int, max_batch: int = 1024,
-                placement: Placement = Placement()) -> tuple[Any, Any]:
+def make_engine(
+    kind: str,
+    local_dir: str,
+    dtype: str,
+    policy_version: int,
+    max_batch: int = 1024,
+    placement: Placement = Placement(),
+) -> tuple[Any, Any]:
     """A fresh engine (or replica set) over a local checkpoint directory, and its tokenizer."""
     if kind not in ENGINES:
         raise ValueError(f"unknown engine {kind!r}; use one of: {', '.join(ENGINES)}")

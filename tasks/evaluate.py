@@ -8,7 +8,9 @@ logged. Accuracy is successes over every held-out prompt: a prompt the verifier 
 
 The champion gate: a round's checkpoint takes the ``champion`` alias only when its serving accuracy
 is not below the champion's at the same engine and dtype. A champion never scored there is scored
-first, so the comparison is always like with like. Replays and ``rlrounds eval`` never move the alias.
+first, so the comparison is always like with like; a champion of another promotion line (another task
+or held-out set, the ``line`` tag) is never compared with, and the round fails naming the fix.
+Replays and ``rlrounds eval`` never move the alias.
 """
 
 from __future__ import annotations
@@ -171,6 +173,7 @@ def run_evaluate(
     Idempotent: a version already carrying ``eval.promoted`` returns its recorded evaluation; a crash
     before that tag re-runs the (greedy, deterministic) evaluation and reaches the same gate decision."""
     from storage import checkpoints
+    from storage.files import lease
     from storage.lineage import Tracker, parse_model_version
     from storage.paths import StorageRoot
     from storage.settings import settings
@@ -179,6 +182,7 @@ def run_evaluate(
 
     root = StorageRoot.of(ctx.storage)
     tracker = Tracker.connect(settings(), root)
+    recorded: dict[str, str] = {}
     if model_version:
         recorded = tracker.model_version(*parse_model_version(model_version)).tags
         if PROMOTED_TAG in recorded:
@@ -199,19 +203,49 @@ def run_evaluate(
                 "eval.mean_tokens": result["eval/mean_tokens"],
             },
         )
-        champion = tracker.alias_version(name, config.champion_alias)
-        best = -1.0
-        if champion and champion != version:
-            best = champion_accuracy(tracker, root, name, champion, result, held_out, verify, config, train_dtype)
-        passed = result["eval/accuracy"] >= best
-        if passed and config.approval == "none":  # 'required': a person decides (tasks/approval.py)
-            tracker.set_alias(name, config.champion_alias, version)
-            promoted = True
-        if best >= 0:
-            result = {**result, "eval/champion_accuracy": best}
-        tracker.tag_model_version(name, version, {PROMOTED_TAG: float(promoted), GATE_TAG: float(passed)})
+        # Read, compare and move the alias as one step: two campaigns of one line finishing together
+        # would otherwise each compare with the old champion and the later write would win.
+        with lease(root, root.join("locks", f"champion-{name}-{config.champion_alias}.lock")):
+            champion = tracker.alias_version(name, config.champion_alias)
+            best = -1.0
+            if champion and champion != version:
+                champion_tags = tracker.model_version(name, champion).tags
+                check_same_line(name, config.champion_alias, champion, champion_tags, recorded)
+                best = champion_accuracy(tracker, root, name, champion, result, held_out, verify, config, train_dtype)
+            passed = result["eval/accuracy"] >= best
+            if passed and config.approval == "none":  # 'required': a person decides (tasks/approval.py)
+                tracker.set_alias(name, config.champion_alias, version)
+                promoted = True
+            if best >= 0:
+                result = {**result, "eval/champion_accuracy": best}
+            tracker.tag_model_version(name, version, {PROMOTED_TAG: float(promoted), GATE_TAG: float(passed)})
         describe_version(tracker, root, model_version)  # the MLflow UI's summary of the tags just written
     return Evaluation(stats={**result, "eval/promoted": float(promoted), "eval/gate_passed": float(passed)})
+
+
+def other_line(champion_tags: dict[str, str], candidate_tags: dict[str, str]) -> str | None:
+    """The champion's line when it differs from the candidate's, else None. A version registered before
+    lines were recorded has none and is taken to be of the candidate's line (there is nothing to tell)."""
+    from storage.lineage import LINE_TAG
+
+    theirs, ours = champion_tags.get(LINE_TAG), candidate_tags.get(LINE_TAG)
+    return theirs if theirs and ours and theirs != ours else None
+
+
+def check_same_line(name: str, alias: str, champion: str, champion_tags: dict, candidate_tags: dict) -> None:
+    """Refuse to gate a checkpoint against a champion of another line: their accuracies were measured on
+    other tasks or held-out sets, so comparing them would move the alias on a meaningless difference."""
+    from storage.lineage import LINE_TAG, LineageError
+
+    theirs = other_line(champion_tags, candidate_tags)
+    if theirs is not None:
+        ours = candidate_tags[LINE_TAG]
+        raise LineageError(
+            f"the {alias} of {name} is version {champion}, of promotion line {theirs!r}, but this checkpoint is of "
+            f"line {ours!r}: a gate compares only checkpoints of one task and held-out set; leave "
+            f"publish.model_name unset (each line gets its own registered model, rlrounds-{ours}) or give this "
+            "line a model name of its own"
+        )
 
 
 def champion_accuracy(
@@ -230,6 +264,7 @@ def champion_accuracy(
     A figure from another engine or dtype is not comparable (bfloat16 greedy answers differ from
     float32 ones), so a champion without one is scored now, on a fresh engine, and tagged."""
     from storage import checkpoints
+    from storage.lineage import checkpoint_uri
 
     key = f"eval.{result['eval/engine']}.{result['eval/dtype']}.accuracy"
     registered = tracker.model_version(name, champion)
@@ -239,7 +274,7 @@ def champion_accuracy(
     same_place = (tags.get("eval.engine"), tags.get("eval.dtype")) == (result["eval/engine"], result["eval/dtype"])
     if same_place and "eval.accuracy" in tags:
         return float(tags["eval.accuracy"])
-    local = checkpoints.local_copy(root, registered.source)
+    local = checkpoints.local_copy(root, checkpoint_uri(registered))
     scored = evaluate_checkpoint(local, prompts, verify, config, train_dtype, policy_version=None)
     tracker.tag_model_version(name, champion, precision_tags(scored))
     return float(scored["eval/accuracy"])
@@ -269,7 +304,7 @@ def run_evaluate_version(
     """Score a registered model version ('NAME/VERSION') at ``config``'s serving engine and dtype and at
     training precision; tag both and the gap on the version. The champion alias is not touched."""
     from storage import checkpoints
-    from storage.lineage import LineageError, Tracker, parse_model_version
+    from storage.lineage import LineageError, Tracker, checkpoint_uri, parse_model_version
     from storage.paths import StorageRoot
     from storage.settings import settings
     from tasks.prompts import evaluation_prompts
@@ -283,7 +318,7 @@ def run_evaluate_version(
         raise LineageError(
             f"no registered model version {model_version} in {storage}; list versions with `rlrounds lineage`"
         ) from exc
-    local = checkpoints.local_copy(root, registered.source)
+    local = checkpoints.local_copy(root, checkpoint_uri(registered))
     held_out = evaluation_prompts(prompts, config.source)
     round_tag = str(registered.tags.get("round", ""))
     # With its policy version known, the version is scored on the live serving engine when this
@@ -296,5 +331,5 @@ def run_evaluate_version(
         tags.update(evaluation_tags(result))
     tracker.tag_model_version(name, version, tags)
     return VersionEvaluation(
-        model_version=model_version, checkpoint=registered.source, train_dtype=train_dtype, stats=result
+        model_version=model_version, checkpoint=checkpoint_uri(registered), train_dtype=train_dtype, stats=result
     )

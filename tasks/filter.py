@@ -10,7 +10,7 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field
 
@@ -24,6 +24,8 @@ DROP_UNKNOWN = "unscored"  # the verifier could not score it
 DROP_ZERO_VARIANCE = "zero_variance_group"  # every sample of the group scored the same: no signal
 DROP_INCOMPLETE = "incomplete_group"  # too few scored samples left in the group to compare
 DROP_OVERFLOW = "batch_full"  # a complete group that arrived after the trainable batch was full
+DROP_STALE = "stale"  # its oldest token lags the trained policy by more than filter.max_staleness versions
+DROP_OVERLONG = "overlong"  # cut at the sampling limit, with filter.overlong = 'drop'
 
 
 class FilterConfig(Config):
@@ -37,6 +39,17 @@ class FilterConfig(Config):
     """A group needs at least this many scored samples (after dropping infra failures) to be compared."""
     epsilon: float = Field(1e-6, gt=0)
     """Added to the standard deviation so near-constant groups do not explode."""
+    max_staleness: int | None = Field(None, ge=0)
+    """Most policy versions a sample's oldest token may lag the policy it trains (the round's parent).
+    Carried-over partial rollouts lag by one version per round they waited. Older samples are dropped
+    ('stale') and their group's advantages computed without them. None: no bound; the loss still
+    corrects older tokens with its truncated importance weights (train.tis_cap)."""
+    overlong: Literal["keep", "drop", "penalty"] = "keep"
+    """Samples cut at the sampling limit (rollout.max_tokens): 'keep' them as scored; 'drop' them from
+    training ('overlong'); or 'penalty': a soft length penalty added to the reward over the last
+    overlong_buffer tokens before the limit, falling linearly from 0 to -1 at the limit (DAPO)."""
+    overlong_buffer: int = Field(4, ge=1)
+    """Tokens before the sampling limit over which the 'penalty' rule ramps."""
 
 
 @dataclass
@@ -56,11 +69,43 @@ def group_advantages(rewards: list[float], normalize_std: bool, epsilon: float) 
     return [c / (std + epsilon) for c in centred]
 
 
-def decide(rows: Iterable[dict], config: FilterConfig) -> dict[tuple[str, int], FilterDecision]:
-    """Decide every row of a set of groups. Rows need group_id, sample_index, reward, outcome.
+def overlong_penalty(length: int, max_tokens: int, buffer: int) -> float:
+    """DAPO's soft overlong punishment: 0 up to max_tokens - buffer, then linear down to -1 at max_tokens."""
+    start = max_tokens - buffer
+    return 0.0 if length <= start else max(-1.0, (start - length) / buffer)
 
-    Infrastructure failures and unscored samples leave their group; the group's advantages are
-    computed over the samples that remain, so a sandbox crash can never count as a wrong answer.
+
+def _sample_rule(row: dict, config: FilterConfig, policy_version: int | None) -> str | None:
+    """Why a scored sample leaves its group before advantages are computed (None: it stays)."""
+    if config.max_staleness is not None and policy_version is not None and row.get("token_policy_versions"):
+        if policy_version - min(row["token_policy_versions"]) > config.max_staleness:
+            return DROP_STALE
+    if config.overlong == "drop" and row.get("finish_reason") == "length":
+        return DROP_OVERLONG
+    return None
+
+
+def shaped_reward(row: dict, config: FilterConfig) -> float:
+    """The reward advantages are computed from: the verifier's, plus the overlong penalty when on."""
+    if config.overlong != "penalty":
+        return row["reward"]
+    max_tokens = (row.get("sampling") or {}).get("max_tokens")
+    if not max_tokens:
+        return row["reward"]
+    return row["reward"] + overlong_penalty(len(row["completion_token_ids"]), max_tokens, config.overlong_buffer)
+
+
+def decide(
+    rows: Iterable[dict], config: FilterConfig, policy_version: int | None = None
+) -> dict[tuple[str, int], FilterDecision]:
+    """Decide every row of a set of groups. Rows need group_id, sample_index, reward, outcome (and
+    token_policy_versions, finish_reason, completion_token_ids, sampling for the staleness and
+    overlong rules). ``policy_version``: the version of the policy being trained (the round's parent);
+    None turns the staleness bound off.
+
+    Infrastructure failures, unscored, stale and (by config) overlong samples leave their group; the
+    group's advantages are computed over the samples that remain, so a sandbox crash can never count
+    as a wrong answer.
     """
     groups: dict[str, list[dict]] = defaultdict(list)
     for row in rows:
@@ -74,17 +119,18 @@ def decide(rows: Iterable[dict], config: FilterConfig) -> dict[tuple[str, int], 
                 out[key] = FilterDecision(0.0, False, DROP_INFRA)
             elif row["reward"] is None or row["outcome"] == Outcome.UNKNOWN.value:
                 out[key] = FilterDecision(0.0, False, DROP_UNKNOWN)
+            elif (rule := _sample_rule(row, config, policy_version)) is not None:
+                out[key] = FilterDecision(0.0, False, rule)
             else:
                 scored.append(row)
+        rewards = [shaped_reward(r, config) for r in scored]
         if len(scored) < config.min_scored_per_group:
             reason = DROP_INCOMPLETE
-        elif config.drop_zero_variance and len({r["reward"] for r in scored}) == 1:
+        elif config.drop_zero_variance and len(set(rewards)) == 1:
             reason = DROP_ZERO_VARIANCE
         else:
             reason = None
-        advantages = (
-            group_advantages([r["reward"] for r in scored], config.normalize_std, config.epsilon) if scored else []
-        )
+        advantages = group_advantages(rewards, config.normalize_std, config.epsilon) if scored else []
         for row, adv in zip(scored, advantages):
             out[(group_id, row["sample_index"])] = FilterDecision(
                 adv if reason is None else 0.0, reason is None, reason
@@ -92,13 +138,10 @@ def decide(rows: Iterable[dict], config: FilterConfig) -> dict[tuple[str, int], 
     return out
 
 
-def group_is_trainable(rewards: list[float | None], outcomes: list[str], config: FilterConfig) -> bool:
-    """Would this group survive filtering? Used by rollout to know when the trainable batch is full."""
-    rows = [
-        {"group_id": "g", "sample_index": i, "reward": r, "outcome": o}
-        for i, (r, o) in enumerate(zip(rewards, outcomes))
-    ]
-    return any(d.kept for d in decide(rows, config).values())
+def group_is_trainable(rows: list[dict], config: FilterConfig, policy_version: int | None = None) -> bool:
+    """Would this group survive filtering? Used by rollout to know when the trainable batch is full.
+    ``rows``: its samples, with the fields ``decide`` reads."""
+    return any(d.kept for d in decide(rows, config, policy_version).values())
 
 
 def apply_decisions(
@@ -155,7 +198,15 @@ def filter_stats(rows: list[dict]) -> dict[str, float]:
         "filter/kept_groups": len(kept_groups),
         "filter/groups": len({r["group_id"] for r in rows}),
     }
-    for reason in (DROP_INFRA, DROP_UNKNOWN, DROP_ZERO_VARIANCE, DROP_INCOMPLETE, DROP_OVERFLOW):
+    for reason in (
+        DROP_INFRA,
+        DROP_UNKNOWN,
+        DROP_ZERO_VARIANCE,
+        DROP_INCOMPLETE,
+        DROP_OVERFLOW,
+        DROP_STALE,
+        DROP_OVERLONG,
+    ):
         stats[f"filter/dropped_{reason}"] = reasons.get(reason, 0)
     if rows and "completion_token_ids" in rows[0]:
         stats.update(length_bias(rows))
@@ -219,7 +270,7 @@ def run_filter(
             carry = f.read()
         if pq.read_metadata(io.BytesIO(carry)).num_rows:
             attachments[CARRYOVER] = carry
-    rows = apply_decisions(rows, decide(rows, config), target_groups)
+    rows = apply_decisions(rows, decide(rows, config, ctx.parent_policy_version), target_groups)
     meta = {
         "kind": "rollout",
         "run_id": ctx.run_id,

@@ -14,7 +14,7 @@ One round's collection, as an object the rollout stage drives:
   verifications are in flight, the rest wait here (so a round that ends leaves little environment
   work behind, and what it leaves is carried, not lost).
 - A group is ready when every one of its samples is finished and verified; it counts toward the
-  target when it would survive filtering (``is_trainable``).
+  target when it would survive filtering (``is_trainable(group)``, called once all its verdicts are in).
 - ``feed_batch`` and ``drain`` instead give a synchronous barrier (generate a fixed batch, wait for every
   sample and verdict, repeat while short of the target): the way most trainers collect, kept as the
   baseline the ready pool is measured against (rollout.collection, benchmarks/batch_collection.py).
@@ -130,7 +130,7 @@ class ReadyPool:
         self,
         submit: Callable[[str, str], Future],
         decode: Callable[[list[int]], str],
-        is_trainable: Callable[[list[Any]], bool],
+        is_trainable: Callable[[Group], bool],
         target_groups: int,
         limits: PoolLimits = PoolLimits(),
         clock: Callable[[], float] = time.time,
@@ -292,7 +292,7 @@ class ReadyPool:
     def _resolve(self, group: Group) -> None:
         if group.request.group_id in self._unresolved and group.verified:
             del self._unresolved[group.request.group_id]
-            if self._is_trainable([s.verdict for s in group.slots]):
+            if self._is_trainable(group):
                 self.trainable += 1
                 if self.trainable == self.target:
                     self.batch_ready_at = self._clock()

@@ -46,9 +46,17 @@ class RefilterRequest(Config):
     """With regroup: keep only the first N trainable groups (later ones are marked batch_full). Default: all."""
 
 
-def regroup_rows(rows: list[dict], config: FilterConfig, target_groups: int | None) -> list[dict]:
-    """Judge rows again as a round would: per-group advantages, kept flags and drop reasons."""
-    return apply_decisions(rows, decide(rows, config), target_groups)
+def regroup_rows(
+    rows: list[dict], config: FilterConfig, target_groups: int | None, policy_version: int | None = None
+) -> list[dict]:
+    """Judge rows again as a round would: per-group advantages, kept flags and drop reasons.
+    ``policy_version``: the policy the rows train (for filter.max_staleness; None: no bound)."""
+    return apply_decisions(rows, decide(rows, config, policy_version), target_groups)
+
+
+def recorded_policy_version(chain) -> int | None:
+    """The policy version the rollout version at the root of a derivation chain was filtered for."""
+    return chain[-1].derivation.get("policy_version")
 
 
 def recorded_filter(chain) -> FilterConfig:
@@ -58,6 +66,7 @@ def recorded_filter(chain) -> FilterConfig:
 
 
 # -- the stage ------------------------------------------------------------------------------------
+
 
 def run_refilter(*, storage: str, request: RefilterRequest) -> TrajectoryVersion:
     """Select, optionally regroup, and commit the derived version; returns its id, URI and statistics."""
@@ -71,8 +80,11 @@ def run_refilter(*, storage: str, request: RefilterRequest) -> TrajectoryVersion
     selected = select_rows(table, request.where)
     config = None
     if request.regroup:
-        config = request.filter or recorded_filter(parent_chain(root, parent))
-        selected = rows_to_table(regroup_rows(selected.to_pylist(), config, request.target_groups))
+        chain = parent_chain(root, parent)
+        config = request.filter or recorded_filter(chain)
+        selected = rows_to_table(
+            regroup_rows(selected.to_pylist(), config, request.target_groups, recorded_policy_version(chain))
+        )
     meta = {
         "kind": DERIVED_KIND,
         "run_id": parent.body.get("run_id"),
@@ -109,7 +121,12 @@ class ReverifyRequest(Config):
 
 
 def reverified_rows(
-    rows: list[dict], chosen: set[tuple[str, int]], verdicts: dict, verifier: dict, config: FilterConfig
+    rows: list[dict],
+    chosen: set[tuple[str, int]],
+    verdicts: dict,
+    verifier: dict,
+    config: FilterConfig,
+    policy_version: int | None = None,
 ) -> list[dict]:
     """Rows with the chosen ones' verdicts replaced and the groups holding them judged again.
 
@@ -133,7 +150,7 @@ def reverified_rows(
         updated.append(row)
     touched = {group for group, _ in chosen}
     in_touched = [r for r in updated if r["group_id"] in touched]
-    regrouped = iter(apply_decisions(in_touched, decide(in_touched, config), None))
+    regrouped = iter(apply_decisions(in_touched, decide(in_touched, config, policy_version), None))
     return [next(regrouped) if r["group_id"] in touched else r for r in updated]
 
 
@@ -167,8 +184,9 @@ def run_reverify(*, storage: str, request: ReverifyRequest) -> Reverified:
             (r["group_id"], r["sample_index"]): pool.submit(r["completion_text"], r["reference"]) for r in chosen_rows
         }
         verdicts = {key: (f.result(), datetime.now(UTC)) for key, f in futures.items()}
-    config = recorded_filter(parent_chain(root, parent))
-    rows = reverified_rows(table.to_pylist(), set(verdicts), verdicts, identity, config)
+    chain = parent_chain(root, parent)
+    config = recorded_filter(chain)
+    rows = reverified_rows(table.to_pylist(), set(verdicts), verdicts, identity, config, recorded_policy_version(chain))
     before = dict(Counter(r["outcome"] for r in chosen_rows))
     after = dict(Counter(v.outcome.value for v, _ in verdicts.values()))
     meta = {

@@ -49,6 +49,8 @@ class ReplayPlan(StageResult):
     rollout_dtype: str
     checkpoint: str
     model_name: str
+    line: str
+    """Promotion line of the config the replay is evaluated with (tagged; a replay never gates)."""
     source: dict
     """Run and round of the rollout the trajectories came from."""
 
@@ -107,11 +109,12 @@ def run_plan_replay(
     config_hash: str | None,
     model_name: str | None,
     task: str,
+    line: str,
     code_version: str,
     flow_run_id: str,
 ) -> ReplayPlan:
     """Resolve the parent model version and the trajectory version; open the replay's MLflow run."""
-    from storage.lineage import KIND_TAG, RUN_ID_TAG, Tracker, parse_model_version
+    from storage.lineage import KIND_TAG, RUN_ID_TAG, Tracker, checkpoint_uri, parse_model_version
     from storage.paths import StorageRoot
     from storage.settings import settings
     from storage.trajectories import find_version, parent_chain, read_table
@@ -161,7 +164,7 @@ def run_plan_replay(
         run_id=rid,
         round=parent_round + 1,
         experiment=tracker.client.get_experiment(experiment_id).name,
-        parent_checkpoint=str(parent.source),
+        parent_checkpoint=checkpoint_uri(parent),
         parent_policy_version=parent_round,
         parent_model_version=from_model,
         base_model=tags.get("base_model", "unknown"),
@@ -181,6 +184,7 @@ def run_plan_replay(
         rollout_dtype=str(dtype),
         checkpoint=root.replay_checkpoint(rid),
         model_name=model_name,
+        line=line,
         source={"run_id": chain[-1].body.get("run_id"), "round": chain[-1].body.get("round")},
     )
 
@@ -216,6 +220,7 @@ def run_publish_replay(
         config_hash=ctx.config_hash,
         code_version=ctx.code_version,
         prefect_flow_run_id=ctx.flow_run_id,
+        line=plan.line,
     )
     version = tracker.register(plan.model_name, checkpoint, ctx.mlflow_run_id, {**tags, "kind": REPLAY_KIND})
     evaluation: Stats = {}

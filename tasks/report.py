@@ -112,7 +112,15 @@ def report_sections(s: dict) -> list[tuple[str, list[tuple[str, str]]]]:
         ]),
         ("length bias", _length_bias(s)),
         ("policy freshness", [
-            ("staleness mean / max (steps)",
+            ("token lag in policy versions mean / p99 / max",
+             f"{_fmt(s, 'train/lag_versions_mean', '.2f')} / {_fmt(s, 'train/lag_versions_p99', '.0f')} / "
+             f"{_fmt(s, 'train/lag_versions_max', '.0f')}"),
+            ("trained samples spanning versions", _fmt(s, "train/samples_spanning_versions_share", ".1%")),
+            ("behaviour vs trained policy KL (k3)", _fmt(s, "train/behaviour_kl_k3", ".2e")),
+            ("behaviour weight mean / p99",
+             f"{_fmt(s, 'train/behaviour_weight_mean', '.3f')} / {_fmt(s, 'train/behaviour_weight_p99', '.3f')}"),
+            ("behaviour weight over tis_cap", _fmt(s, "train/behaviour_weight_over_cap", ".2%")),
+            ("staleness mean / max (optimizer steps)",
              f"{_fmt(s, 'train/staleness_mean_steps', '.1f')} / {_fmt(s, 'train/staleness_max_steps', '.0f')}"),
             ("ratio mean", _fmt(s, "train/ratio_mean", ".4f")),
             ("clip fraction", _fmt(s, "train/clip_fraction", ".3f")),

@@ -113,8 +113,10 @@ def generate_and_verify(
     progress=None,
     max_context: int | None = None,
     carried_rows: list[dict] | None = None,
+    policy_version: int | None = None,
 ) -> RolloutResult:
     """One round's collection. ``carried_rows``: the previous round's carry-over, resumed first.
+    ``policy_version``: the policy being sampled (filter.max_staleness is judged against it; None: not).
 
     ``max_context``: the model's positions; a prompt that cannot fit with rollout.max_tokens is an
     input error, raised before it is generated (the engine would fail deep inside, or silently wrap)."""
@@ -135,8 +137,21 @@ def generate_and_verify(
             request = GroupRequest(f"r{round_index}-g{index:06d}", ids, rollout.samples_per_prompt, sampling)
             yield Group(request, prompt.reference, prompt, time.time())
 
-    def trainable(verdicts: list[Verdict]) -> bool:
-        return group_is_trainable([v.reward for v in verdicts], [v.outcome.value for v in verdicts], filtering)
+    def trainable(group: Group) -> bool:
+        rows = [
+            {
+                "group_id": group.request.group_id,
+                "sample_index": slot.index,
+                "reward": slot.verdict.reward,
+                "outcome": slot.verdict.outcome.value,
+                "token_policy_versions": slot.sample.token_policy_versions,
+                "finish_reason": slot.sample.finish_reason,
+                "completion_token_ids": slot.sample.token_ids,
+                "sampling": group.request.sampling.as_dict(),
+            }
+            for slot in group.slots
+        ]
+        return group_is_trainable(rows, filtering, policy_version)
 
     def decode(token_ids: list[int]) -> str:
         return tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -446,6 +461,7 @@ def run_rollout(
         progress,
         context_length(local),
         carried,
+        ctx.parent_policy_version,
     )
     check_infra_failure_rate(result.stats, verify.max_infra_failure_rate, ctx.round)  # before anything is staged
     staging = root.rollout_staging_file(ctx.run_id, ctx.round)

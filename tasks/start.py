@@ -1,6 +1,6 @@
 """Where a round starts: a model the user knows, resolved through the registry.
 
-``NAME@ALIAS`` (``rlrounds-policy@champion``), ``NAME/VERSION`` (``rlrounds-policy/3``) or ``base``
+``NAME@ALIAS`` (``rlrounds-addition@champion``), ``NAME/VERSION`` (``rlrounds-addition/3``) or ``base``
 (the config's policy.base_model). Everything internal a round needs (the parent's checkpoint URI, its
 policy version, the base it descends from) is read from the registered version, never typed by hand.
 """
@@ -34,8 +34,8 @@ def parse_start(ref: str) -> tuple[str, str | None, str | None]:
     match = _REF.match(ref.strip())
     if not match:
         raise LineageError(
-            f"start {ref!r} is not a model reference; use 'base', NAME@ALIAS (e.g. rlrounds-policy@champion) "
-            "or NAME/VERSION (e.g. rlrounds-policy/3)"
+            f"start {ref!r} is not a model reference; use 'base', NAME@ALIAS (e.g. rlrounds-addition@champion) "
+            "or NAME/VERSION (e.g. rlrounds-addition/3)"
         )
     return match["name"], match["alias"], match["version"]
 

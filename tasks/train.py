@@ -116,8 +116,18 @@ def aligned(values: list[list[float]], prompt_width: int, total: int, fill: floa
     return out
 
 
-def train_policy(model, pad_token_id: int, batches: list[TrainBatch], config: TrainConfig, temperature: float,
-                 optimizer_state: dict | None, current_version: int, recompute: bool, ref_model=None, progress=None):
+def train_policy(
+    model,
+    pad_token_id: int,
+    batches: list[TrainBatch],
+    config: TrainConfig,
+    temperature: float,
+    optimizer_state: dict | None,
+    current_version: int,
+    recompute: bool,
+    ref_model=None,
+    progress=None,
+):
     """Run the optimizer steps; returns (optimizer state dict, stats)."""
     import torch
 
@@ -140,6 +150,7 @@ def train_policy(model, pad_token_id: int, batches: list[TrainBatch], config: Tr
         k: [] for k in ("loss", "clip_fraction", "grad_norm", "tis_mean", "tis_truncated_fraction", "kl", "ratio_mean")
     }
     lags: list[int] = []
+    freshness: list[torch.Tensor] = []  # per minibatch: [N, 2] (version lag, log behaviour weight) of its tokens
     mismatch: list[dict[str, float]] = []
     # Forward passes stay in eval mode: dropout would make the trainer score another (random) policy
     # than the engine sampled from, so the ratio would not be 1 at step 0, the mismatch figure would
@@ -163,6 +174,8 @@ def train_policy(model, pad_token_id: int, batches: list[TrainBatch], config: Tr
         versions = aligned(batch.policy_versions, prompt_width, total, fill=-1)  # [B, T-1]
         current = (versions == current_version).float()  # [B, T-1]
         mismatch.append(logprob_mismatch(proximal[step] if proximal else logp.detach(), behaviour, mask * current))
+        on = mask.bool()
+        freshness.append(torch.stack([(current_version - versions)[on], (logp.detach() - behaviour)[on]], dim=-1))
         inputs = LossInputs(
             logp,
             behaviour,
@@ -205,9 +218,41 @@ def train_policy(model, pad_token_id: int, batches: list[TrainBatch], config: Tr
             "train/staleness_mean_steps": statistics.fmean(lags) if lags else 0.0,
             "train/staleness_max_steps": float(max(lags, default=0)),
             "train/recomputed_proximal": float(recompute),
+            "train/samples_spanning_versions_share": statistics.fmean(
+                len(set(v)) > 1 for b in batches for v in b.policy_versions
+            )
+            if batches
+            else 0.0,
+            **freshness_stats(torch.cat(freshness) if freshness else torch.zeros((0, 2)), config.tis_cap),
         }
     )
     return optimizer.state_dict(), stats
+
+
+def freshness_stats(tokens, tis_cap: float) -> dict[str, float]:
+    """How stale and how far off-policy the trained tokens were. ``tokens``: [N, 2], per trained token its
+    version lag (the trained policy's version minus the version that sampled it) and log(pi / mu), the
+    trainer's logprob at the step that used it minus the behaviour logprob.
+
+    The divergence figures compare the behaviour policy with the weights each token was trained at, so
+    they hold numerics, carried-over versions and the round's own drift (minibatch k is k steps past
+    the sampling weights); the k3 estimate is of KL(mu || pi) over tokens sampled from mu."""
+    import torch
+
+    if tokens.shape[0] == 0:
+        return {}
+    lag, log_w = tokens[:, 0].double(), tokens[:, 1].double()  # [N], [N]
+    weight = log_w.exp()
+    return {
+        "train/lag_versions_mean": float(lag.mean()),
+        "train/lag_versions_p50": float(torch.quantile(lag, 0.5)),
+        "train/lag_versions_p99": float(torch.quantile(lag, 0.99)),
+        "train/lag_versions_max": float(lag.max()),
+        "train/behaviour_kl_k3": float((weight - 1 - log_w).mean()),
+        "train/behaviour_weight_mean": float(weight.mean()),
+        "train/behaviour_weight_p99": float(torch.quantile(weight, 0.99)),
+        "train/behaviour_weight_over_cap": float((weight > tis_cap).double().mean()),
+    }
 
 
 def save_optimizer(state: dict, directory: str) -> None:

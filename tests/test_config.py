@@ -118,8 +118,12 @@ def test_every_config_field_is_documented_in_the_json_schema_prefect_renders():
         ref = prop.get("$ref", "").rpartition("/")[2]
         return bool(prop.get("description") or schema["definitions"].get(ref, {}).get("description"))
 
-    undocumented = [f"{name}.{field}" for name, definition in schema["definitions"].items()
-                    for field, prop in definition.get("properties", {}).items() if not described(prop)]
+    undocumented = [
+        f"{name}.{field}"
+        for name, definition in schema["definitions"].items()
+        for field, prop in definition.get("properties", {}).items()
+        if not described(prop)
+    ]
     assert undocumented == []
 
 

@@ -8,11 +8,14 @@ from tasks.filter import (
     DROP_INCOMPLETE,
     DROP_INFRA,
     DROP_OVERFLOW,
+    DROP_OVERLONG,
+    DROP_STALE,
     DROP_ZERO_VARIANCE,
     FilterConfig,
     apply_decisions,
     decide,
     group_advantages,
+    overlong_penalty,
 )
 
 
@@ -91,3 +94,58 @@ def test_length_bias(lengths, kept, expected):
     stats = length_bias([{"completion_token_ids": [0] * n, "kept": k} for n, k in zip(lengths, kept)])
     assert {k: stats[k] for k in expected} == pytest.approx(expected)
     assert "filter/length_q3_max_tokens" not in stats or len(set(lengths)) > 2
+
+
+def _with(rows, **fields_per_index):
+    """rows with per-sample fields: versions=[[...], ...], finish=[...], lengths=[...], max_tokens=N."""
+    out = []
+    for i, row in enumerate(rows):
+        row = dict(row)
+        if "versions" in fields_per_index:
+            row["token_policy_versions"] = fields_per_index["versions"][i]
+        if "finish" in fields_per_index:
+            row["finish_reason"] = fields_per_index["finish"][i]
+        if "lengths" in fields_per_index:
+            row["completion_token_ids"] = [5] * fields_per_index["lengths"][i]
+            row["sampling"] = {"max_tokens": fields_per_index["max_tokens"]}
+        out.append(row)
+    return out
+
+
+def test_samples_past_max_staleness_leave_their_group_and_the_rest_is_regrouped():
+    # trained policy: version 3. Lags: 0, 1 (spans 2..3), 2, 3. max_staleness 1 drops the last two.
+    rows = _with(_rows("g", [1.0, 0.0, 1.0, 0.0]), versions=[[3, 3], [2, 3], [1, 1], [0, 3]])
+    d = decide(rows, FilterConfig(max_staleness=1), policy_version=3)
+    assert [d[("g", i)].drop_reason for i in range(4)] == [None, None, DROP_STALE, DROP_STALE]
+    assert [d[("g", i)].advantage for i in range(2)] == pytest.approx([1.0, -1.0], abs=1e-5)
+    # no bound, or no known policy version: nobody is stale
+    assert all(x.kept for x in decide(rows, FilterConfig(), policy_version=3).values())
+    assert all(x.kept for x in decide(rows, FilterConfig(max_staleness=0)).values())
+    # what is left must still be a group: one fresh sample is not
+    d = decide(rows, FilterConfig(max_staleness=0), policy_version=3)
+    assert d[("g", 0)].drop_reason == DROP_INCOMPLETE
+
+
+def test_overlong_samples_are_kept_dropped_or_penalised():
+    rows = _with(
+        _rows("g", [1.0, 1.0, 0.0, 1.0]),
+        finish=["stop", "stop", "length", "length"],
+        lengths=[4, 7, 10, 10],
+        max_tokens=10,
+    )
+    kept = decide(rows, FilterConfig())
+    assert all(x.drop_reason is None for x in kept.values())
+    dropped = decide(rows, FilterConfig(overlong="drop"))
+    # the two left both scored 1: no signal without the samples that ran on
+    assert [dropped[("g", i)].drop_reason for i in range(4)] == [DROP_ZERO_VARIANCE] * 2 + [DROP_OVERLONG] * 2
+    # penalty over the last 4 tokens: length 4 -> 0, 7 -> -1/4, 10 -> -1. Shaped rewards 1, 0.75, -1, 0.
+    assert overlong_penalty(6, 10, 4) == 0.0 and overlong_penalty(7, 10, 4) == -0.25
+    assert overlong_penalty(10, 10, 4) == -1.0 and overlong_penalty(12, 10, 4) == -1.0
+    shaped = [1.0, 0.75, -1.0, 0.0]
+    expected = group_advantages(shaped, normalize_std=True, epsilon=1e-6)
+    penalised = decide(rows, FilterConfig(overlong="penalty"))
+    assert [penalised[("g", i)].advantage for i in range(4)] == pytest.approx(expected)
+    # a group of correct answers, one of them cut at the limit, gets signal only from the penalty
+    all_right = _with(_rows("h", [1.0, 1.0]), finish=["stop", "length"], lengths=[3, 10], max_tokens=10)
+    assert not any(x.kept for x in decide(all_right, FilterConfig()).values())
+    assert all(x.kept for x in decide(all_right, FilterConfig(overlong="penalty")).values())

@@ -53,7 +53,7 @@ def registry(tmp_path, tiny_policy_dir, monkeypatch):
     tracker = Tracker.connect(settings(), StorageRoot.of(storage))
     run = tracker.ensure_run(tracker.experiment_id("gate"), "gate", {"rlrounds.test": "gate"})
 
-    def register(k: int) -> str:
+    def register(k: int, line: str = "addition") -> str:
         tags = lineage_tags(
             round_index=k,
             run_id="gate",
@@ -63,6 +63,7 @@ def registry(tmp_path, tiny_policy_dir, monkeypatch):
             config_hash="h",
             code_version="test",
             prefect_flow_run_id="none",
+            line=line,
         )
         return f"{NAME}/{tracker.register(NAME, tiny_policy_dir, run, tags)}"
 
@@ -179,6 +180,7 @@ def test_rlrounds_eval_and_replay_never_move_the_alias(registry):
         rollout_dtype="float32",
         checkpoint=ctx.parent_checkpoint,
         model_name=NAME,
+        line="addition",
         source={},
     )
     replayed = run_publish_replay(
@@ -191,3 +193,17 @@ def test_rlrounds_eval_and_replay_never_move_the_alias(registry):
     )
     assert replayed.stats["eval/accuracy"] == 1.0
     assert _champion(registry) == v1
+
+
+def test_a_champion_of_another_line_is_never_compared_with(registry):
+    from storage.lineage import LineageError
+
+    v1, v2 = registry["register"](0, line="addition"), registry["register"](1, line="addition-heldout-1a2b3c4d")
+    _evaluate(registry, 0, "wrong", v1)
+    assert _champion(registry) == v1
+    # v2 would win on its own held-out set, but a figure from another set says nothing about v1's
+    with pytest.raises(LineageError, match=r"promotion line 'addition'.*line 'addition-heldout-1a2b3c4d'.*model_name"):
+        _evaluate(registry, 1, "right", v2)
+    assert _champion(registry) == v1
+    v3 = registry["register"](2, line="addition")
+    assert _evaluate(registry, 2, "half", v3)["eval/promoted"] == 1.0  # its own line gates as before

@@ -110,21 +110,28 @@ def test_imports_go_one_way():
     def layer(module: str) -> str:
         return module.split(".")[0]
 
-    wrong = [f"{source} -> {target}" for source, targets in import_graph().items() for target in sorted(targets)
-             if layer(target) != layer(source) and layer(target) not in ALLOWED[layer(source)]]
+    wrong = [
+        f"{source} -> {target}"
+        for source, targets in import_graph().items()
+        for target in sorted(targets)
+        if layer(target) != layer(source) and layer(target) not in ALLOWED[layer(source)]
+    ]
     assert wrong == []
 
 
 def test_tasks_storage_and_models_do_not_import_prefect():
     """Validating a config or running the pure tests never pays Prefect's import."""
     names = [name for name in modules() if name.split(".")[0] != "flows"]
-    code = ("import importlib, sys\n"
-            f"for name in {names!r}:\n"
-            "    importlib.import_module(name)\n"
-            "print(sorted(m for m in sys.modules if m == 'prefect' or m.startswith('prefect.')))\n")
+    code = (
+        "import importlib, sys\n"
+        f"for name in {names!r}:\n"
+        "    importlib.import_module(name)\n"
+        "print(sorted(m for m in sys.modules if m == 'prefect' or m.startswith('prefect.')))\n"
+    )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT,
-                            timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "[]"
     source = "\n".join(path.read_text() for name, path in modules().items() if name.split(".")[0] != "flows")

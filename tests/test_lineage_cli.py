@@ -28,6 +28,8 @@ def test_lineage_of_a_three_round_campaign_lists_every_round_and_the_base(tiny_c
         assert f"tiny-policy/{k + 1}  round {k}  (round of run tiny)" in text
         assert f"{rounds[k]['trajectory_version']} rollout of run tiny round {k}" in text
     assert "tiny-policy/1  round 0  (base policy)" in text and "n/a" not in text and "not evaluated" not in text
+    assert text.count("  line          addition") == 4  # every step names its promotion line
+    assert text.count("[champion]") <= 1
 
     assert main(["lineage", final, "--json", "--storage", storage]) == 0
     steps = json.loads(capsys.readouterr().out)
@@ -36,6 +38,7 @@ def test_lineage_of_a_three_round_campaign_lists_every_round_and_the_base(tiny_c
     assert [s["parent_model_version"] for s in steps] == ["tiny-policy/3", "tiny-policy/2", "tiny-policy/1", "none"]
     for step in steps:
         assert all(step[f] and step[f] not in ("none", "unknown") for f in FIELDS), step
+        assert step["line"] == "addition" and set(step["aliases"]) <= {"champion"}
         assert 0.0 <= float(step["evaluation"]["accuracy"]) <= 1.0 and step["evaluation"]["dtype"] == "bfloat16"
     for step, k in zip(steps[:3], (3, 2, 1)):
         assert step["kind"] == "round" and step["trajectory_version"] == rounds[k]["trajectory_version"]
@@ -77,6 +80,7 @@ def test_lineage_through_a_replay_of_a_derived_version(tiny_campaign, capsys):
     ]
     assert top["derivation"][0]["where"] == where and top["derivation"][0]["regroup"] is True
     assert all(top[f] for f in FIELDS) and "accuracy" in top["evaluation"]
+    assert top["line"] == "addition" and "champion" not in top["aliases"]  # a replay never takes the alias
 
     assert main(["lineage", replay["model_version"], "--storage", storage]) == 0
     text = capsys.readouterr().out

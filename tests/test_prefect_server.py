@@ -160,10 +160,10 @@ def test_deployments_forms_and_schedule_are_registered(server):
         assert schema["properties"]["storage"]["description"].startswith("Storage root")
         assert schema["properties"]["config"]["default"]["rounds"] == 45  # the form opens filled in
         round_ = client.read_deployment_by_name("rl-round-from/round")
-        assert round_.parameter_openapi_schema["properties"]["start"]["default"] == "rlrounds-policy@champion"
+        assert round_.parameter_openapi_schema["properties"]["start"]["default"] == "rlrounds-addition@champion"
         (nightly,) = round_.schedules
         assert nightly.active is False and nightly.schedule.cron == "0 2 * * *"
-        assert nightly.parameters == {"start": "rlrounds-policy@champion"}
+        assert nightly.parameters == {"start": "rlrounds-addition@champion"}
         for deployment in (round_, campaign):  # one run at a time, the rest wait in line
             assert deployment.global_concurrency_limit.limit == 1, deployment.global_concurrency_limit
             assert deployment.concurrency_options.collision_strategy == "ENQUEUE"

@@ -93,7 +93,7 @@ def test_the_round_deployment_asks_for_a_model_reference_not_internal_strings():
     schema = _schema(_flow(deployments["round"]))
     assert schema["required"] == []  # every field filled in: the form can be submitted as it opens
     assert set(schema["properties"]) == {"start", "config", "run_id", "experiment", "storage"}
-    assert schema["properties"]["start"]["default"] == "rlrounds-policy@champion"
+    assert schema["properties"]["start"]["default"] == "rlrounds-addition@champion"
     assert "NAME/VERSION" in schema["properties"]["start"]["description"]
 
 
@@ -101,7 +101,7 @@ def test_schedules_are_declared_inactive_and_training_deployments_limited_to_one
     deployments = {d["name"]: d for d in _spec()["deployments"]}
     (nightly,) = deployments["round"]["schedules"]
     assert nightly["active"] is False and nightly["cron"] == "0 2 * * *"
-    assert nightly["parameters"] == {"start": "rlrounds-policy@champion"}
+    assert nightly["parameters"] == {"start": "rlrounds-addition@champion"}
     for name in ("campaign", "round"):
         assert deployments[name]["concurrency_limit"]["limit"] == 1
     assert {"campaign", "round", "evaluate", "replay", "refilter", "reverify"} == set(deployments)

@@ -118,8 +118,8 @@ class ScriptedEnvironment:
         self.waiting.clear()
 
 
-def trainable(verdicts) -> bool:
-    return len({v.reward for v in verdicts}) > 1
+def trainable(group: Group) -> bool:
+    return len({s.verdict.reward for s in group.slots}) > 1
 
 
 def group(group_id: str, n: int = 2) -> Group:

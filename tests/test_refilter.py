@@ -36,9 +36,14 @@ def _rows() -> list[dict]:
     for group, rewards in REWARDS.items():
         for index, reward in enumerate(rewards):
             row = make_row(group, index, float(reward))
-            row.update(completion_token_ids=[7] * (index + 1), rollout_logprobs=[-0.5] * (index + 1),
-                       token_policy_versions=[group % 2] * (index + 1), kept=group != 3, advantage=0.25 * index,
-                       drop_reason=DROP_ZERO_VARIANCE if group == 3 else None)
+            row.update(
+                completion_token_ids=[7] * (index + 1),
+                rollout_logprobs=[-0.5] * (index + 1),
+                token_policy_versions=[group % 2] * (index + 1),
+                kept=group != 3,
+                advantage=0.25 * index,
+                drop_reason=DROP_ZERO_VARIANCE if group == 3 else None,
+            )
             rows.append(row)
     return rows
 
@@ -46,8 +51,13 @@ def _rows() -> list[dict]:
 @pytest.fixture
 def store(tmp_path):
     root = StorageRoot.of(str(tmp_path / "store"))
-    meta = {"kind": "rollout", "run_id": "run", "round": 1, "parent": None,
-            "derivation": {"filter": FilterConfig().model_dump(mode="json"), "target_groups": 3, "policy_version": 0}}
+    meta = {
+        "kind": "rollout",
+        "run_id": "run",
+        "round": 1,
+        "parent": None,
+        "derivation": {"filter": FilterConfig().model_dump(mode="json"), "target_groups": 3, "policy_version": 0},
+    }
     manifest = write_version(root, lambda v: root.trajectory_version("run", 1, v), rows_to_table(_rows()), meta)
     return root, manifest
 
@@ -58,7 +68,8 @@ def test_select_rows_keeps_order_and_schema(store):
     picked = select_rows(table, "len(completion_token_ids) <= 3 AND group_id <> 'g1'")
     assert picked.schema == table.schema
     assert [(r["group_id"], r["sample_index"]) for r in picked.to_pylist()] == [
-        (f"g{g}", i) for g in (0, 2, 3) for i in range(3)]
+        (f"g{g}", i) for g in (0, 2, 3) for i in range(3)
+    ]
     # group-level predicates through a subquery over the same rows
     mixed = select_rows(
         table, "group_id IN (SELECT group_id FROM trajectories GROUP BY 1 HAVING min(reward) < max(reward))"

@@ -34,9 +34,7 @@ PROJECT = Path(__file__).resolve().parents[1]
 TMP = Path(tempfile.gettempdir())
 SANDBOX_TMP_DIRS = set(TMP.glob("rlrounds-sandbox-*"))  # before this module ran anything
 
-needs_root = pytest.mark.skipif(
-    sys.platform != "linux" or os.geteuid() != 0, reason="the sandbox needs Linux and root"
-)
+needs_root = pytest.mark.skipif(sys.platform != "linux" or os.geteuid() != 0, reason="the sandbox needs Linux and root")
 
 
 def sandbox_processes() -> list[int]:
@@ -55,8 +53,16 @@ def sandbox_processes() -> list[int]:
 
 
 def _run(**changes: object) -> SandboxRun:
-    base = dict(setup_error=None, runner_started=True, tests_passed=False, returncode=1,
-                timed_out=False, output_overflow=False, stdout_tail="", stderr_tail="")
+    base = dict(
+        setup_error=None,
+        runner_started=True,
+        tests_passed=False,
+        returncode=1,
+        timed_out=False,
+        output_overflow=False,
+        stdout_tail="",
+        stderr_tail="",
+    )
     return SandboxRun(**{**base, **changes})  # type: ignore[arg-type]
 
 

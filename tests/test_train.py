@@ -277,3 +277,45 @@ def test_mismatch_is_measured_on_every_minibatch(tiny_policy_dir, recompute):
     assert stats["train/mismatch_mean_abs"] == pytest.approx(0.25, abs=tolerance)
     assert stats["train/mismatch_max_abs"] == pytest.approx(0.5, abs=tolerance)
     assert stats["train/mismatch_tokens"] == 12
+
+
+# -- freshness: lag in policy versions and divergence from the behaviour policy ------------------------
+
+
+def test_freshness_figures_by_hand():
+    import math
+
+    import torch
+
+    from tasks.train import freshness_stats
+
+    # four tokens: lags 0, 0, 1, 3; log weights 0, 0, log 1.5, log 4 (tis_cap 2: only the last is over it)
+    tokens = torch.tensor([[0, 0.0], [0, 0.0], [1, math.log(1.5)], [3, math.log(4)]])
+    s = freshness_stats(tokens, tis_cap=2.0)
+    assert s["train/lag_versions_mean"] == 1.0 and s["train/lag_versions_max"] == 3.0
+    assert s["train/lag_versions_p50"] == 0.5  # linear interpolation between the middle two
+    assert s["train/behaviour_weight_mean"] == pytest.approx((1 + 1 + 1.5 + 4) / 4)
+    # k3 = w - 1 - log w: 0, 0, 0.5 - log 1.5, 3 - log 4
+    assert s["train/behaviour_kl_k3"] == pytest.approx((0.5 - math.log(1.5) + 3 - math.log(4)) / 4)
+    assert s["train/behaviour_weight_over_cap"] == 0.25
+    assert freshness_stats(torch.zeros((0, 2)), 2.0) == {}
+
+
+def test_tokens_of_older_versions_are_measured_as_lag(tiny_policy_dir):
+    import torch
+
+    from models.policy import load_policy
+    from tasks.train import TrainBatch, TrainConfig, train_policy
+
+    model, tokenizer = load_policy(tiny_policy_dir)
+    prompts = [[tokenizer.bos_token_id, 3, 4, 13]] * 2
+    completions = [[5, 6, 7], [8, 9, 10]]
+    behaviour = [[-2.0] * 3, [-2.0] * 3]
+    # trained policy version 2: the first sample's first token came from version 0, the rest from 2
+    versions = [[0, 2, 2], [2, 2, 2]]
+    batch = TrainBatch(prompts, completions, behaviour, [1.0, -1.0], versions, [1.0, 1.0], 3)
+    torch.manual_seed(0)
+    _, stats = train_policy(model, tokenizer.pad_token_id, [batch], TrainConfig(), 1.0, None, 2, True)
+    assert stats["train/lag_versions_max"] == 2.0 and stats["train/lag_versions_mean"] == pytest.approx(2 / 6)
+    assert stats["train/samples_spanning_versions_share"] == 0.5
+    assert stats["train/behaviour_kl_k3"] > 0 and stats["train/behaviour_weight_p99"] > 0

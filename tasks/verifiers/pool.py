@@ -102,8 +102,14 @@ class VerifierPool:
     a verifier that burns Python CPU should start its own process.
     """
 
-    def __init__(self, verifier: Verifier, workers: int = 2, retries: int = 0, retry_budget: int = 0,
-                 timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        verifier: Verifier,
+        workers: int = 2,
+        retries: int = 0,
+        retry_budget: int = 0,
+        timeout_s: float | None = None,
+    ) -> None:
         if workers < 1:
             raise ValueError(f"verifier pool needs at least 1 worker, got {workers}")
         if retries < 0 or retry_budget < 0:

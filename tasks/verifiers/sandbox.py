@@ -88,8 +88,13 @@ class SandboxLimits(Config):
     """Interpreter run inside the sandbox; None means this process's own base interpreter."""
 
     @field_validator(
-        "wall_timeout_s", "cpu_time_s", "memory_mib", "max_processes", "max_open_files",
-        "max_output_bytes", "disk_mib",
+        "wall_timeout_s",
+        "cpu_time_s",
+        "memory_mib",
+        "max_processes",
+        "max_open_files",
+        "max_output_bytes",
+        "disk_mib",
     )
     @classmethod
     def _in_range(cls, value: float, info: ValidationInfo) -> float:
@@ -525,6 +530,7 @@ def _runner() -> None:
     def remote(name: str):
         def call(*args, **kwargs):
             return ask(("call", name, args, kwargs))
+
         call.__name__ = name
         return call
 
@@ -567,8 +573,10 @@ def _solution_server() -> None:
                 plain(key, depth + 1)
                 plain(item, depth + 1)
             return value
-        raise TypeError(f"a {kind.__name__} is not a plain value (None, bool, int, float, complex, str, bytes, "
-                        "or tuples, lists, sets and dicts of them)")
+        raise TypeError(
+            f"a {kind.__name__} is not a plain value (None, bool, int, float, complex, str, bytes, "
+            "or tuples, lists, sets and dicts of them)"
+        )
 
     def reply(status, payload):
         replies.write(f"{status} {payload!r}\n")

@@ -17,6 +17,7 @@ from prefect import flow
 from prefect.runtime import flow_run
 
 from flows.config import CampaignConfig
+from flows.progress import StageProgress, artifact_key, publish_rounds_table, stage_logger
 from flows.round import rl_round
 from flows.stages import Stages
 from flows.tasks import open_round_task, preflight_task, prepare_base_task, register_base_task
@@ -86,11 +87,20 @@ def new_run_id() -> str:
 
 @flow(name="rl-campaign", validate_parameters=True)
 def rl_campaign(
-    config: CampaignConfig, storage: str | None = None, resume: bool | None = None, takeover: bool = False
+    config: CampaignConfig = CampaignConfig(),  # noqa: B008 -- a frozen default the UI shows filled in
+    storage: str | None = None,
+    resume: bool | None = None,
+    takeover: bool = False,
 ) -> dict:
-    """resume: False for a new run id (`rlrounds run --run-id`), True for an existing one (`--resume`),
-    None for either (re-running this flow continues it). takeover: resume even though the recorded
-    owner runs on another host, which this one cannot check."""
+    """A campaign of RL rounds, each starting from the previous round's checkpoint.
+
+    Args:
+        config: Rounds to run, the campaign's run id, and everything one round does.
+        storage: Storage root (a directory or s3://bucket/prefix). Default: $RLROUNDS_STORAGE.
+        resume: False for a new run id (`rlrounds run --run-id`), True for an existing one (`--resume`),
+            empty for either: re-running with the same run id continues the campaign.
+        takeover: Resume even though the recorded owner runs on another host, which this one cannot check.
+    """
     root = StorageRoot.of(storage or settings().storage)
     storage = root.uri
     config = config.model_copy(update={"run_id": config.run_id or new_run_id()})
@@ -112,7 +122,10 @@ def rl_campaign(
 
 def _rounds(config: CampaignConfig, storage: str, run_id: str, version: str, owner: Owner) -> dict:
     rc = config.round
-    base = prepare_base_task(storage=storage, base_model=rc.policy.base_model)
+    building = StageProgress("base build", artifact_key(run_id, "base-build"), "building the base policy")
+    stage_logger().info("base policy %s: preparing (built on first use, then cached)", rc.policy.base_model)
+    base = prepare_base_task(storage=storage, base_model=rc.policy.base_model, progress=building)
+    building.done()
     runs = open_round_task(
         storage=storage,
         experiment=config.experiment,
@@ -146,6 +159,7 @@ def _rounds(config: CampaignConfig, storage: str, run_id: str, version: str, own
     )
     log.info("round 0 (base %s): held-out accuracy %.1f%%", base.base_model, 100 * round0.stats["eval/accuracy"])
     history = [{"round": 0, "model_version": round0.model_version, "accuracy": round0.stats["eval/accuracy"]}]
+    publish_rounds_table(run_id, history)
     parent_checkpoint, parent_version = base.checkpoint, round0.model_version
     for k in range(1, config.rounds + 1):
         assert_owner(StorageRoot.of(storage), run_id, owner)  # a process that lost a takeover stops here
@@ -169,8 +183,11 @@ def _rounds(config: CampaignConfig, storage: str, run_id: str, version: str, own
                 "accuracy": s["eval/accuracy"],
                 "trajectory_version": result.trajectory_version,
                 "seconds": s["time/round_s"],
+                "reward": s.get("verify/mean_reward"),
+                "kept_groups": s.get("filter/kept_groups"),
             }
         )
+        publish_rounds_table(run_id, history)
         parent_checkpoint, parent_version = result.checkpoint, result.model_version
         if config.stop_at_accuracy is not None and s["eval/accuracy"] >= config.stop_at_accuracy:
             log.info(

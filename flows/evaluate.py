@@ -10,11 +10,14 @@ the champion's, and promotion compares like with like.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from prefect import flow
 
 from flows.config import RoundConfig
 from flows.tasks import evaluate_version_task
 from storage.settings import settings
+from tasks.config_base import Dtype
 from tasks.engines import released_engines
 from tasks.evaluate import EvaluateConfig
 from tasks.results import VersionEvaluation
@@ -23,10 +26,18 @@ TRAIN_DTYPE = "float32"  # the trainer always works in float32 (tasks/train.run_
 
 
 @flow(name="rl-evaluate", flow_run_name="evaluate-{model_version}", validate_parameters=True)
-def rl_evaluate(model_version: str, config: RoundConfig | None = None, serving_engine: str | None = None,
-                serving_dtype: str | None = None, storage: str | None = None) -> VersionEvaluation:
-    """Score ``model_version`` ('NAME/VERSION') with ``config``'s evaluate, prompts and verifier sections;
-    ``serving_engine`` / ``serving_dtype`` override ``config.evaluate``'s."""
+def rl_evaluate(model_version: str, config: RoundConfig | None = None,
+                serving_engine: Literal["embedded", "vllm"] | None = None, serving_dtype: Dtype | None = None,
+                storage: str | None = None) -> VersionEvaluation:
+    """Score a registered model version at a serving engine and precision, and at training precision.
+
+    Args:
+        model_version: The registered model version to score, NAME/VERSION (e.g. rlrounds-addition/3).
+        config: Round config whose evaluate, prompts and verify sections apply. Default: the defaults.
+        serving_engine: Serving engine, overriding config.evaluate.serving_engine.
+        serving_dtype: Serving precision, overriding config.evaluate.serving_dtype.
+        storage: Storage root the rounds ran on. Default: $RLROUNDS_STORAGE.
+    """
     storage = storage or settings().storage
     rc = config or RoundConfig()
     overrides = {k: v for k, v in (("serving_engine", serving_engine), ("serving_dtype", serving_dtype)) if v}

@@ -56,6 +56,12 @@ class ReplayRequest(Config):
 
 @flow(name="rl-replay", validate_parameters=True)
 def rl_replay(request: ReplayRequest, storage: str | None = None) -> dict:
+    """Train on a stored trajectory version from a registered model version and publish the result.
+
+    Args:
+        request: What to replay (trajectory version), from which model version, with which config.
+        storage: Storage root the rounds ran on. Default: $RLROUNDS_STORAGE.
+    """
     storage = storage or settings().storage
     rc = request.config or RoundConfig()
     plan = plan_replay_task(
@@ -100,9 +106,21 @@ def rl_replay(request: ReplayRequest, storage: str | None = None) -> dict:
 
 @flow(name="rl-refilter", validate_parameters=True)
 def rl_refilter(request: RefilterRequest, storage: str | None = None) -> TrajectoryVersion:
+    """Select rows of a trajectory version with an SQL predicate and commit a derived version.
+
+    Args:
+        request: The version, the predicate, and whether to regroup.
+        storage: Storage root the rounds ran on. Default: $RLROUNDS_STORAGE.
+    """
     return refilter_task(storage=storage or settings().storage, request=request)
 
 
 @flow(name="rl-reverify", validate_parameters=True)
 def rl_reverify(request: ReverifyRequest, storage: str | None = None) -> Reverified:
+    """Score selected rows of a trajectory version again and commit a derived version.
+
+    Args:
+        request: The version, which rows to verify again, and the verifier settings.
+        storage: Storage root the rounds ran on. Default: $RLROUNDS_STORAGE.
+    """
     return reverify_task(storage=storage or settings().storage, request=request)

@@ -12,7 +12,9 @@ import time
 from prefect import flow
 from prefect.runtime import flow_run
 
+from flows.approval import approve_and_promote
 from flows.config import RoundConfig
+from flows.progress import StageProgress, artifact_key
 from flows.stages import Stages
 from flows.tasks import (
     evaluate_task,
@@ -74,9 +76,13 @@ def rl_round(config: RoundConfig, storage: str, run_id: str, round_index: int, e
 
     # rollout + verify: each sample is scored as it finishes, until the trainable batch is full; the previous
     # round's carry-over (samples it stopped or had not verified) is resumed first
+    collecting = StageProgress("rollout", artifact_key(run_id, "round", round_index, "rollout"),
+                               f"round {round_index}: trainable groups collected")
     rollout = stage.run("rollout", rollout_task, ctx=ctx, prompts=config.prompts, rollout=config.rollout,
                         verify=config.verify_resolved, filtering=config.filter, target_groups=config.target_groups,
-                        carry_from=carry_source(storage, run_id, round_index))
+                        carry_from=carry_source(storage, run_id, round_index),
+                        progress=collecting)
+    collecting.done()
     clock.lap("rollout")
     # filter + store: advantages and drop decisions, committed as this round's trajectory version together
     # with this round's own carry-over
@@ -96,6 +102,12 @@ def rl_round(config: RoundConfig, storage: str, run_id: str, round_index: int, e
     evaluation = stage.run("evaluate", evaluate_task, ctx=ctx, config=config.evaluate, prompts=config.prompts,
                            verify=config.verify_resolved, checkpoint=trained.checkpoint,
                            model_version=published.model_version)
+    if config.evaluate.approval == "required" and evaluation.stats.get("eval/gate_passed"):
+        # one stage: a resumed round whose decision is recorded does not ask again
+        decided = stage.run("promote", approve_and_promote, ctx=ctx, config=config.evaluate,
+                            model_version=published.model_version, stats=evaluation.stats,
+                            champion_name=config.publish_resolved.registered_name)
+        evaluation = evaluation.model_copy(update={"stats": {**evaluation.stats, **decided.stats}})
     clock.lap("evaluate")
 
     stats = {**rollout.stats, **trajectories.stats, **trained.stats, **published.stats, **evaluation.stats,

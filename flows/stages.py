@@ -17,12 +17,14 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import time
 import typing
 from collections.abc import Callable
 from typing import Any
 
 from pydantic import BaseModel
 
+from flows.progress import stage_logger
 from storage.campaigns import read_stage, write_stage
 from storage.paths import StorageRoot
 from tasks.context import RoundContext
@@ -88,10 +90,15 @@ class Stages:
         _, returns = declared_inputs(fn)
         key = inputs_key(stage, fn, kwargs)
         recorded = read_stage(self.root, self.ctx.run_id, self.ctx.round, stage, key)
+        logger = stage_logger()
         if recorded is not None:
             self.skipped.append(stage)
+            logger.info("round %d: %s already committed, skipped", self.ctx.round, stage)
             return returns.model_validate(recorded)
+        logger.info("round %d: %s started", self.ctx.round, stage)
+        started = time.perf_counter()
         result = task(**kwargs)
+        logger.info("round %d: %s done in %.1f s", self.ctx.round, stage, time.perf_counter() - started)
         crash_point(stage, self.ctx.round)
         write_stage(self.root, self.ctx.run_id, self.ctx.round, stage, key, result.model_dump(mode="json"))
         return result

@@ -14,6 +14,7 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
+from tasks.approval import run_decide_promotion
 from tasks.base import run_prepare_base, run_register_base
 from tasks.evaluate import run_evaluate, run_evaluate_version
 from tasks.filter import run_filter
@@ -24,6 +25,7 @@ from tasks.replay import run_plan_replay, run_publish_replay
 from tasks.report import run_open_round, run_record_round
 from tasks.results import RoundRecord
 from tasks.rollout import run_rollout
+from tasks.start import run_resolve_start
 from tasks.train import run_train
 
 log = logging.getLogger("rlrounds")
@@ -63,3 +65,5 @@ plan_replay_task = _task("plan-replay", run_plan_replay)
 publish_replay_task = _task("publish-replay", run_publish_replay)
 refilter_task = _task("refilter", run_refilter)
 reverify_task = _task("reverify", run_reverify)
+resolve_start_task = _task("resolve-start", run_resolve_start)
+decide_promotion_task = _task("decide-promotion", run_decide_promotion)

@@ -103,7 +103,10 @@ def _build(out_dir: str, recipe: BaseRecipe, progress, start: float, task: Built
             else:
                 val_accuracy = greedy_accuracy(engine, tokenizer, validation, task.answer_tokens)
             if progress:
-                progress(f"base policy: step {steps} loss {loss_value:.3f} validation accuracy {val_accuracy:.1%}")
+                progress(
+                    f"base policy: step {steps}/{recipe.max_steps} loss {loss_value:.3f} "
+                    f"validation accuracy {val_accuracy:.1%}"
+                )
             if val_accuracy >= recipe.stop_at_accuracy:
                 break
     model.eval()

@@ -76,7 +76,7 @@ def run_register_base(
         model_version = f"{name}/{version}"
     evaluation = run_evaluate(
         ctx=ctx,
-        config=evaluate,
+        config=evaluate.model_copy(update={"approval": "none"}),  # the starting point: nothing to decide
         prompts=prompts,
         verify=verify,
         checkpoint=ctx.parent_checkpoint,

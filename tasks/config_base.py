@@ -8,9 +8,12 @@ text written where a field is declared reaches people three ways: the Prefect UI
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+"""A precision an engine runs at: a choice in the UI's forms, and pydantic names the allowed values."""
 
 
 class Config(BaseModel):

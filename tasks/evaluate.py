@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from models.engine import greedy_completions
-from tasks.config_base import Config
+from tasks.config_base import Config, Dtype
 from tasks.context import RoundContext
 from tasks.prompts import PromptsConfig
 from tasks.results import Evaluation, Stats, VersionEvaluation
@@ -37,20 +37,19 @@ class EvaluateConfig(Config):
     """Held-out prompts (.jsonl/.parquet). Default: the built-in task's fixed 500 held-out prompts."""
     serving_engine: Literal["embedded", "vllm"] = "embedded"
     """Engine the policy is served with ('embedded' or 'vllm'); accuracy on it gates promotion."""
-    serving_dtype: str = "bfloat16"
+    serving_dtype: Dtype = "bfloat16"
     """Precision the policy is served at; accuracy at it gates promotion. bfloat16 by default, so the
     policy is tested at the precision it would be served with, not only at training precision (float32)."""
     max_tokens: int = Field(8, ge=1)
     """Most new tokens per greedy answer."""
     champion_alias: str = "champion"
     """Registry alias moved to a checkpoint whose serving accuracy is not below the current champion's."""
-
-    @field_validator("serving_dtype")
-    @classmethod
-    def _dtype_known(cls, v: str) -> str:
-        if v not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"evaluate.serving_dtype {v!r} is unknown; use float32, bfloat16 or float16")
-        return v
+    approval: Literal["none", "required"] = "none"
+    """Who moves the champion alias once a checkpoint passes the gate. 'none': the round moves it.
+    'required': the round pauses after evaluation, shows its accuracy beside the champion's, and waits
+    for a person to approve or reject in the Prefect UI; only an approval moves the alias."""
+    approval_timeout_s: int = Field(86_400, ge=1)
+    """How long a round waits for an approval; no answer by then rejects the checkpoint."""
 
 
 def accuracy(engine, tokenizer, prompts, verifier: Verifier, max_tokens: int) -> dict[str, float]:
@@ -137,6 +136,7 @@ def evaluation_tags(result: dict) -> dict[str, float | str]:
 
 
 PROMOTED_TAG = "eval.promoted"  # written last: a version carrying it has been evaluated and gated
+GATE_TAG = "eval.gate_passed"  # its accuracy was not below the champion's (promoted unless approval is required)
 
 
 def recorded_evaluation(tags: dict[str, str]) -> dict[str, float | str]:
@@ -150,6 +150,7 @@ def recorded_evaluation(tags: dict[str, str]) -> dict[str, float | str]:
         "infra_failures",
         "mean_tokens",
         "promoted",
+        "gate_passed",
     )
     return {**{f"eval/{k}": float(tags[f"eval.{k}"]) for k in numbers if f"eval.{k}" in tags}, **text}
 
@@ -176,6 +177,7 @@ def run_evaluate(
     from storage.lineage import Tracker, parse_model_version
     from storage.paths import StorageRoot
     from storage.settings import settings
+    from tasks.describe import describe_version
     from tasks.prompts import evaluation_prompts
 
     root = StorageRoot.of(ctx.storage)
@@ -188,7 +190,7 @@ def run_evaluate(
     local = checkpoints.local_copy(root, checkpoint)
     held_out = evaluation_prompts(prompts, config.source)
     result = evaluate_checkpoint(local, held_out, verify, config, train_dtype, policy_version=ctx.round)
-    promoted = False
+    promoted = passed = False
     if model_version:
         name, version = parse_model_version(model_version)
         tracker.tag_model_version(
@@ -210,11 +212,15 @@ def run_evaluate(
                 champion_tags = tracker.model_version(name, champion).tags
                 check_same_line(name, config.champion_alias, champion, champion_tags, recorded)
                 best = champion_accuracy(tracker, root, name, champion, result, held_out, verify, config, train_dtype)
-            if result["eval/accuracy"] >= best:
+            passed = result["eval/accuracy"] >= best
+            if passed and config.approval == "none":  # 'required': a person decides (tasks/approval.py)
                 tracker.set_alias(name, config.champion_alias, version)
                 promoted = True
-            tracker.tag_model_version(name, version, {PROMOTED_TAG: float(promoted)})
-    return Evaluation(stats={**result, "eval/promoted": float(promoted)})
+            if best >= 0:
+                result = {**result, "eval/champion_accuracy": best}
+            tracker.tag_model_version(name, version, {PROMOTED_TAG: float(promoted), GATE_TAG: float(passed)})
+        describe_version(tracker, root, model_version)  # the MLflow UI's summary of the tags just written
+    return Evaluation(stats={**result, "eval/promoted": float(promoted), "eval/gate_passed": float(passed)})
 
 
 def other_line(champion_tags: dict[str, str], candidate_tags: dict[str, str]) -> str | None:

@@ -203,6 +203,7 @@ def run_publish_replay(
     from storage.lineage import Tracker
     from storage.paths import StorageRoot
     from storage.settings import settings
+    from tasks.describe import describe_version
 
     ctx = plan.context
     root = StorageRoot.of(ctx.storage)
@@ -227,6 +228,7 @@ def run_publish_replay(
         held_out = evaluation_prompts(prompts, evaluate.source)
         evaluation = evaluate_checkpoint(checkpoints.local_copy(root, checkpoint), held_out, verify, evaluate)
         tracker.tag_model_version(plan.model_name, version, evaluation_tags(evaluation))
+    describe_version(tracker, root, f"{plan.model_name}/{version}")
     numeric = {k: float(v) for k, v in {**train_stats, **evaluation}.items() if isinstance(v, (int, float))}
     tracker.log(ctx.mlflow_run_id, metrics=numeric, step=ctx.round)
     tracker.finish(ctx.mlflow_run_id)

@@ -61,24 +61,97 @@ def straggler_wait(stats: dict[str, Any]) -> dict[str, float]:
     return {"rollout/straggler_wait_s": max(0.0, started - ready)}
 
 
-def _tail(s: dict, prefix: str) -> str:
-    return (
-        f"p50 {_fmt(s, prefix + '_p50_s', '.3f')}, p90 {_fmt(s, prefix + '_p90_s', '.3f')}, "
-        f"p99 {_fmt(s, prefix + '_p99_s', '.3f')}, max {_fmt(s, prefix + '_max_s', '.3f', ' s')}"
-    )
+def _tail(s: dict, what: str, prefix: str) -> list[tuple[str, str]]:
+    """Two short rows (p50 / p90, p99 / max) rather than one wide one."""
+    return [
+        (f"{what} p50 / p90", f"{_fmt(s, prefix + '_p50_s', '.3f')} / {_fmt(s, prefix + '_p90_s', '.3f', ' s')}"),
+        (f"{what} p99 / max", f"{_fmt(s, prefix + '_p99_s', '.3f')} / {_fmt(s, prefix + '_max_s', '.3f', ' s')}"),
+    ]
 
 
-def _length_bias(s: dict) -> str:
-    buckets = [
-        f"<= {_fmt(s, f'filter/length_q{q}_max_tokens', '.0f')} tokens "
-        f"{_fmt(s, f'filter/length_q{q}_kept_share', '.0%')} vs {_fmt(s, f'filter/length_q{q}_generated_share', '.0%')}"
+def _length_bias(s: dict) -> list[tuple[str, str]]:
+    rows = [
+        (
+            f"completions <= {_fmt(s, f'filter/length_q{q}_max_tokens', '.0f')} tokens, kept vs generated share",
+            f"{_fmt(s, f'filter/length_q{q}_kept_share', '.0%')} vs "
+            f"{_fmt(s, f'filter/length_q{q}_generated_share', '.0%')}",
+        )
         for q in range(1, 5)
         if f"filter/length_q{q}_max_tokens" in s
     ]
-    return (
-        f"kept vs generated share by completion length: {'; '.join(buckets)}; mean kept length / generated "
-        f"{_fmt(s, 'filter/length_bias', '.3f')} (1: no bias)"
-    )
+    return rows + [("mean kept length / generated (1: no bias)", _fmt(s, "filter/length_bias", ".3f"))]
+
+
+def report_sections(s: dict) -> list[tuple[str, list[tuple[str, str]]]]:
+    """(question, [(measure, value), ...]) in the order the report answers them: one short figure per
+    row, so the table fits a page however many figures a question has."""
+    return [
+        ("batch readiness", [
+            ("time to a trainable batch", _fmt(s, "rollout/time_to_trainable_batch_s", ".2f", " s")),
+            ("straggler wait (batch ready to training start)", _fmt(s, "rollout/straggler_wait_s", ".2f", " s")),
+            ("groups complete / trainable target",
+             f"{_fmt(s, 'rollout/groups', '.0f')} / {_fmt(s, 'rollout/target_groups', '.0f')}"),
+        ]),
+        ("long tail", [
+            *_tail(s, "generation latency", "rollout/gen_latency"),
+            *_tail(s, "environment latency", "verify/env_latency"),
+            ("slow environment (stop point timing-dependent)", _fmt(s, "rollout/slow_environment", ".0f")),
+        ]),
+        ("carry-over", [
+            ("groups carried out", _fmt(s, "rollout/carried_out_groups", ".0f")),
+            ("partial samples carried out (tokens)",
+             f"{_fmt(s, 'rollout/carried_out_partial_samples', '.0f')} "
+             f"({_fmt(s, 'rollout/carried_out_tokens', '.0f')})"),
+            ("samples carried out awaiting the environment",
+             _fmt(s, "rollout/carried_out_unverified_samples", ".0f")),
+            ("groups carried in, finished here",
+             f"{_fmt(s, 'rollout/carried_in_groups', '.0f')}, {_fmt(s, 'rollout/carried_in_finished_groups', '.0f')}"),
+            ("samples spanning policy versions (kept)",
+             f"{_fmt(s, 'rollout/samples_spanning_versions', '.0f')} "
+             f"({_fmt(s, 'filter/kept_rows_spanning_versions', '.0f')})"),
+        ]),
+        ("length bias", _length_bias(s)),
+        ("policy freshness", [
+            ("token lag in policy versions mean / p99 / max",
+             f"{_fmt(s, 'train/lag_versions_mean', '.2f')} / {_fmt(s, 'train/lag_versions_p99', '.0f')} / "
+             f"{_fmt(s, 'train/lag_versions_max', '.0f')}"),
+            ("trained samples spanning versions", _fmt(s, "train/samples_spanning_versions_share", ".1%")),
+            ("behaviour vs trained policy KL (k3)", _fmt(s, "train/behaviour_kl_k3", ".2e")),
+            ("behaviour weight mean / p99",
+             f"{_fmt(s, 'train/behaviour_weight_mean', '.3f')} / {_fmt(s, 'train/behaviour_weight_p99', '.3f')}"),
+            ("behaviour weight over tis_cap", _fmt(s, "train/behaviour_weight_over_cap", ".2%")),
+            ("staleness mean / max (optimizer steps)",
+             f"{_fmt(s, 'train/staleness_mean_steps', '.1f')} / {_fmt(s, 'train/staleness_max_steps', '.0f')}"),
+            ("ratio mean", _fmt(s, "train/ratio_mean", ".4f")),
+            ("clip fraction", _fmt(s, "train/clip_fraction", ".3f")),
+        ]),
+        ("numeric alignment", [
+            ("engine vs trainer logprobs, mean / max abs delta",
+             f"{_fmt(s, 'train/mismatch_mean_abs', '.2e')} / {_fmt(s, 'train/mismatch_max_abs', '.2e')}"),
+            ("KL estimate", _fmt(s, "train/mismatch_kl", ".2e")),
+            ("TIS weight mean", _fmt(s, "train/tis_mean", ".4f")),
+        ]),
+        ("environment reliability", [
+            ("success / model failure / infra failure / unknown",
+             f"{_fmt(s, 'verify/success', '.0f')} / {_fmt(s, 'verify/model_failure', '.0f')} / "
+             f"{_fmt(s, 'verify/infra_failure', '.0f')} / {_fmt(s, 'verify/unknown', '.0f')}"),
+            ("infra failure rate", _fmt(s, "verify/infra_failure_rate", ".2%")),
+            ("retries (recovered)",
+             f"{_fmt(s, 'verify/infra_retries', '.0f')} ({_fmt(s, 'verify/infra_recovered', '.0f')})"),
+            ("workers replaced, verifier timeouts",
+             f"{_fmt(s, 'verify/workers_replaced', '.0f')}, {_fmt(s, 'verify/verifier_timeouts', '.0f')}"),
+        ]),
+        ("weight publication", [
+            ("publish latency", _fmt(s, "publish/latency_s", ".3f", " s")),
+            ("engine pause", _fmt(s, "publish/engine_pause_s", ".4f", " s")),
+        ]),
+        ("evaluation", [
+            (f"accuracy at serving precision ({s.get('eval/engine', '?')}, {s.get('eval/dtype', '?')})",
+             _fmt(s, "eval/accuracy", ".1%")),
+            ("accuracy at training precision", _fmt(s, "eval/accuracy_train_precision", ".1%")),
+            ("gap", _fmt(s, "eval/serving_gap", "+.1%")),
+        ]),
+    ]
 
 
 def health_report(
@@ -90,50 +163,13 @@ def health_report(
         "",
         f"Model version **{model_version or 'n/a'}**, trajectory version `{trajectory_version or 'n/a'}`.",
         "",
-        "| question | figure |",
-        "| --- | --- |",
-        f"| batch readiness | time to a trainable batch {_fmt(s, 'rollout/time_to_trainable_batch_s', '.2f', ' s')}; "
-        f"straggler wait paid (batch ready to training start) {_fmt(s, 'rollout/straggler_wait_s', '.2f', ' s')}; "
-        f"{_fmt(s, 'rollout/groups', '.0f')} groups complete for {_fmt(s, 'rollout/target_groups', '.0f')} trainable |",
-        f"| long tail | generation latency {_tail(s, 'rollout/gen_latency')}; environment latency "
-        f"{_tail(s, 'verify/env_latency')}; slow environment (stop point timing-dependent) "
-        f"{_fmt(s, 'rollout/slow_environment', '.0f')} |",
-        f"| carry-over | carried out {_fmt(s, 'rollout/carried_out_groups', '.0f')} groups: "
-        f"{_fmt(s, 'rollout/carried_out_partial_samples', '.0f')} partial samples "
-        f"({_fmt(s, 'rollout/carried_out_tokens', '.0f')} tokens), "
-        f"{_fmt(s, 'rollout/carried_out_unverified_samples', '.0f')} awaiting the environment; carried in "
-        f"{_fmt(s, 'rollout/carried_in_groups', '.0f')} groups, {_fmt(s, 'rollout/carried_in_finished_groups', '.0f')} "
-        f"finished here; {_fmt(s, 'rollout/samples_spanning_versions', '.0f')} samples span policy versions "
-        f"({_fmt(s, 'filter/kept_rows_spanning_versions', '.0f')} kept) |",
-        f"| length bias | {_length_bias(s)} |",
-        f"| policy freshness | token lag in policy versions mean {_fmt(s, 'train/lag_versions_mean', '.2f')}, p99 "
-        f"{_fmt(s, 'train/lag_versions_p99', '.0f')}, max {_fmt(s, 'train/lag_versions_max', '.0f')}; "
-        f"{_fmt(s, 'train/samples_spanning_versions_share', '.1%')} of trained samples span versions; "
-        f"behaviour vs trained policy KL (k3) {_fmt(s, 'train/behaviour_kl_k3', '.2e')}, weight mean "
-        f"{_fmt(s, 'train/behaviour_weight_mean', '.3f')}, p99 {_fmt(s, 'train/behaviour_weight_p99', '.3f')}, "
-        f"over tis_cap {_fmt(s, 'train/behaviour_weight_over_cap', '.2%')}; in optimizer steps mean "
-        f"{_fmt(s, 'train/staleness_mean_steps', '.1f')}, max {_fmt(s, 'train/staleness_max_steps', '.0f')}; "
-        f"ratio mean {_fmt(s, 'train/ratio_mean', '.4f')}; clip fraction {_fmt(s, 'train/clip_fraction', '.3f')} |",
-        f"| numeric alignment | engine vs trainer logprobs mean abs delta {_fmt(s, 'train/mismatch_mean_abs', '.2e')}, "
-        f"max {_fmt(s, 'train/mismatch_max_abs', '.2e')}, KL {_fmt(s, 'train/mismatch_kl', '.2e')}; TIS weight mean "
-        f"{_fmt(s, 'train/tis_mean', '.4f')} |",
-        f"| environment reliability | success {_fmt(s, 'verify/success', '.0f')}, model failure "
-        f"{_fmt(s, 'verify/model_failure', '.0f')}, "
-        f"infra failure {_fmt(s, 'verify/infra_failure', '.0f')}, unknown {_fmt(s, 'verify/unknown', '.0f')}; "
-        f"infra failure rate {_fmt(s, 'verify/infra_failure_rate', '.2%')}; retries "
-        f"{_fmt(s, 'verify/infra_retries', '.0f')} "
-        f"(recovered {_fmt(s, 'verify/infra_recovered', '.0f')}), workers replaced "
-        f"{_fmt(s, 'verify/workers_replaced', '.0f')}, "
-        f"verifier timeouts {_fmt(s, 'verify/verifier_timeouts', '.0f')} |",
-        f"| weight publication | publish latency {_fmt(s, 'publish/latency_s', '.3f', ' s')}; engine pause "
-        f"{_fmt(s, 'publish/engine_pause_s', '.4f', ' s')} |",
-        f"| evaluation | accuracy at serving precision ({s.get('eval/engine', '?')}, {s.get('eval/dtype', '?')}) "
-        f"{_fmt(s, 'eval/accuracy', '.1%')}; at training precision {_fmt(s, 'eval/accuracy_train_precision', '.1%')}; "
-        f"gap {_fmt(s, 'eval/serving_gap', '+.1%')} |",
-        "",
-        "| stage | seconds |",
-        "| --- | --- |",
+        "| question | measure | value |",
+        "| --- | --- | --- |",
     ]
+    for question, rows in report_sections(s):
+        for i, (measure, value) in enumerate(rows):
+            lines.append(f"| {question if i == 0 else ''} | {measure} | {value} |")
+    lines += ["", "| stage | seconds |", "| --- | --- |"]
     for key in sorted(k for k in s if k.startswith("time/")):
         lines.append(f"| {key.removeprefix('time/')} | {s[key]:.2f} |")
     lines.append("")

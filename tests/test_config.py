@@ -82,10 +82,16 @@ def test_an_out_of_range_value_gets_the_fields_help_appended(tmp_path):
 
 def test_a_validators_own_message_is_not_repeated_with_help(tmp_path):
     path = tmp_path / "c.json"
-    path.write_text(json.dumps({"round": {"rollout": {"dtype": "float8"}}}))
+    path.write_text(json.dumps({"round": {"publish": {"model_name": "a/b"}}}))
     with pytest.raises(ConfigError) as err:
         load_campaign_config(str(path))
-    assert "\u2014" not in str(err.value)  # "use float32, bfloat16 or float16" already says what to set
+    assert "\u2014" not in str(err.value)  # "must be non-empty without '/'" already says what to set
+
+
+def test_a_precision_is_one_of_three_choices():
+    with pytest.raises(ConfigError) as err:
+        load_campaign_config(None, round={"rollout": {"dtype": "float8"}})
+    assert "round.rollout.dtype: Input should be 'float32', 'bfloat16' or 'float16'" in str(err.value)
 
 
 def test_help_reaches_nested_and_optional_models():

@@ -1,0 +1,79 @@
+"""One round from a model the user knows: the ``round`` deployment's flow.
+
+``start`` is ``NAME@ALIAS`` (``rlrounds-addition@champion``), ``NAME/VERSION`` or ``base``; the registry
+supplies the parent's checkpoint, policy version and base model (tasks/start.py). The round is the
+one round of its own run id, claimed like a campaign (one writer per run id), so re-running the flow
+with the same run id resumes it, and always from the version ``start`` resolved to the first time.
+"""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from flows.campaign import _rounds, code_version, new_run_id
+from flows.config import CampaignConfig, RoundConfig
+from flows.round import rl_round
+from flows.tasks import preflight_task, resolve_start_task
+from storage.campaigns import claim, read_campaign, release
+from storage.paths import StorageRoot
+from storage.settings import settings
+from tasks.engines import released_engines
+from tasks.start import BASE
+
+
+@flow(name="rl-round-from", validate_parameters=True)
+def rl_round_from(
+    start: str = "rlrounds-addition@champion",
+    config: RoundConfig = RoundConfig(),  # noqa: B008 -- a frozen default the UI shows filled in
+    run_id: str | None = None,
+    experiment: str = "rlrounds",
+    storage: str | None = None,
+) -> dict:
+    """Run one RL round starting from a registered model version.
+
+    Args:
+        start: The model to start from: NAME@ALIAS (e.g. rlrounds-addition@champion), NAME/VERSION
+            (e.g. rlrounds-addition/3), or 'base' for the config's policy.base_model (registered as round 0).
+        config: Everything the round does, stage by stage.
+        run_id: Run id of this round (directory and MLflow tag). Default: a fresh one. Re-running with
+            the same run id resumes the round from its last committed stage.
+        experiment: MLflow experiment holding the round's run.
+        storage: Storage root (a directory or s3://bucket/prefix). Default: $RLROUNDS_STORAGE.
+    """
+    root = StorageRoot.of(storage or settings().storage)
+    campaign = CampaignConfig(rounds=1, run_id=run_id or new_run_id(), experiment=experiment, round=config)
+    run_id = campaign.run_id
+    record = read_campaign(root, run_id)
+    # the parent is fixed when the run starts: a resume never follows an alias that has moved since
+    resolved = (record or {}).get("identity", {}).get("start")
+    if resolved is None:
+        resolved = BASE if start.strip() == BASE else resolve_start_task(storage=root.uri, start=start).model_version
+    identity = {**campaign.identity(), "start": resolved}
+    preflight_task(config=config, storage=root.uri)
+    owner = claim(root, run_id, campaign.model_dump(mode="json"), identity, "auto")
+    try:
+        with released_engines():
+            if resolved == BASE:  # the base registered as round 0, then round 1: a one-round campaign
+                return _rounds(campaign, root.uri, run_id, code_version(), owner)
+            parent = resolve_start_task(storage=root.uri, start=resolved)
+            result = rl_round(
+                config,
+                storage=root.uri,
+                run_id=run_id,
+                round_index=parent.round + 1,
+                experiment=experiment,
+                parent_checkpoint=parent.checkpoint,
+                parent_model_version=parent.model_version,
+                base_model=parent.base_model,
+                code_version=code_version(),
+            )
+    finally:
+        release(owner)
+    return {
+        "run_id": run_id,
+        "storage": root.uri,
+        "start": parent.model_version,
+        "rounds": [{"round": result.round, "model_version": result.model_version,
+                    "accuracy": result.stats["eval/accuracy"], "trajectory_version": result.trajectory_version}],
+        "final_model_version": result.model_version,
+    }

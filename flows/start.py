@@ -28,8 +28,10 @@ def rl_round_from(
     run_id: str | None = None,
     experiment: str = "rlrounds",
     storage: str | None = None,
+    rounds: int = 1,
 ) -> dict:
-    """Run one RL round starting from a registered model version.
+    """Run RL rounds starting from a registered model version: one round (the nightly schedule's
+    default), or a campaign of ``rounds`` rounds, each from the previous one's checkpoint.
 
     Args:
         start: The model to start from: NAME@ALIAS (e.g. rlrounds-addition@champion), NAME/VERSION
@@ -39,9 +41,11 @@ def rl_round_from(
             the same run id resumes the round from its last committed stage.
         experiment: MLflow experiment holding the round's run.
         storage: Storage root (a directory or s3://bucket/prefix). Default: $RLROUNDS_STORAGE.
+        rounds: Rounds to run, each starting from the previous one's checkpoint (numbered on from the
+            starting version's round).
     """
     root = StorageRoot.of(storage or settings().storage)
-    campaign = CampaignConfig(rounds=1, run_id=run_id or new_run_id(), experiment=experiment, round=config)
+    campaign = CampaignConfig(rounds=rounds, run_id=run_id or new_run_id(), experiment=experiment, round=config)
     run_id = campaign.run_id
     record = read_campaign(root, run_id)
     # the parent is fixed when the run starts: a resume never follows an alias that has moved since
@@ -53,27 +57,37 @@ def rl_round_from(
     owner = claim(root, run_id, campaign.model_dump(mode="json"), identity, "auto")
     try:
         with released_engines():
-            if resolved == BASE:  # the base registered as round 0, then round 1: a one-round campaign
+            if resolved == BASE:  # the base registered as round 0, then rounds 1..N: a campaign from the base
                 return _rounds(campaign, root.uri, run_id, code_version(), owner)
             parent = resolve_start_task(storage=root.uri, start=resolved)
-            result = rl_round(
-                config,
-                storage=root.uri,
-                run_id=run_id,
-                round_index=parent.round + 1,
-                experiment=experiment,
-                parent_checkpoint=parent.checkpoint,
-                parent_model_version=parent.model_version,
-                base_model=parent.base_model,
-                code_version=code_version(),
-            )
+            checkpoint, model_version, history = parent.checkpoint, parent.model_version, []
+            for k in range(parent.round + 1, parent.round + 1 + rounds):
+                result = rl_round(
+                    config,
+                    storage=root.uri,
+                    run_id=run_id,
+                    round_index=k,
+                    experiment=experiment,
+                    parent_checkpoint=checkpoint,
+                    parent_model_version=model_version,
+                    base_model=parent.base_model,
+                    code_version=code_version(),
+                )
+                checkpoint, model_version = result.checkpoint, result.model_version
+                history.append(
+                    {
+                        "round": result.round,
+                        "model_version": result.model_version,
+                        "accuracy": result.stats["eval/accuracy"],
+                        "trajectory_version": result.trajectory_version,
+                    }
+                )
     finally:
         release(owner)
     return {
         "run_id": run_id,
         "storage": root.uri,
         "start": parent.model_version,
-        "rounds": [{"round": result.round, "model_version": result.model_version,
-                    "accuracy": result.stats["eval/accuracy"], "trajectory_version": result.trajectory_version}],
-        "final_model_version": result.model_version,
+        "rounds": history,
+        "final_model_version": model_version,
     }

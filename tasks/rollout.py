@@ -156,6 +156,10 @@ def generate_and_verify(
     def decode(token_ids: list[int]) -> str:
         return tokenizer.decode(token_ids, skip_special_tokens=True)
 
+    if verify.on_ray:
+        from tasks.engines import Placement, connect_ray
+
+        connect_ray(Placement(rollout.replicas, rollout.ray_address))
     verifiers = VerifierPool(
         rollout_verifier(verifier_name, verify, seed),
         verify.workers,

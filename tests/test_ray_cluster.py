@@ -1,6 +1,8 @@
 """A campaign attached to a Ray cluster it did not start: `ray start --head` on loopback, then
 `rlrounds run --replicas 2 --ray-address HOST:PORT`, as a user with a cluster runs it. The cluster's
-own record (its GCS) shows the engine replicas ran there as actors. The cluster is stopped at the end.
+own record (its GCS) shows the engine replicas ran there as actors; the rollout's verifier calls run
+there as Ray tasks (a verifier the cluster could not run would fail the round as infrastructure
+failures). The cluster is stopped at the end.
 """
 
 from __future__ import annotations
@@ -92,7 +94,8 @@ def test_a_campaign_runs_its_replicas_on_an_existing_cluster(cluster, tmp_path, 
     seed_builtin_base(storage)
     config = tmp_path / "campaign.json"
     config.write_text(json.dumps({"rounds": 1, "run_id": "cluster", "round": {
-        "rollout": {"max_batch": 64}, "train": {"groups_per_step": 2, "steps_per_round": 2},
+        "rollout": {"max_batch": 64}, "verify": {"on_ray": True},
+        "train": {"groups_per_step": 2, "steps_per_round": 2},
         "publish": {"model_name": "cluster-policy"}}}))
     env = {**cluster["env"], "RLROUNDS_STORAGE": storage}
     env.pop("PREFECT_API_URL", None)

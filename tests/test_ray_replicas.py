@@ -183,3 +183,32 @@ def test_a_round_on_two_replicas_completes_every_group_with_the_usual_rows(campa
     (*replaced, (engine, versions)) = released
     assert isinstance(engine, ReplicaRouter) and engine.replicas == 2 and versions == [1, 1]
     assert not any(isinstance(e, ReplicaRouter) for e, _ in replaced)
+
+
+def test_verifier_calls_run_as_ray_tasks_and_keep_their_failure_class():
+    """verify.on_ray: each call runs in a Ray worker process; an infrastructure error raised there is
+    still infrastructure (not retryable when it says so), and the pool's bookkeeping is unchanged."""
+    import os
+
+    from tasks.verifiers.config import VerifyConfig
+    from tasks.verifiers.on_ray import RayVerifier
+    from tasks.verifiers.outcome import Outcome, Verdict, VerifierInfraError
+    from tasks.verifiers.pool import VerifierPool, run_verifier
+    from tasks.verifiers.registry import rollout_verifier
+
+    def where(text: str, reference: str) -> Verdict:  # closures travel by value to the workers
+        right = text == reference
+        return Verdict(float(right), Outcome.SUCCESS if right else Outcome.MODEL_FAILURE, f"pid {os.getpid()}")
+
+    def broken(text: str, reference: str) -> Verdict:
+        raise VerifierInfraError("sandbox gone", retryable=False)
+
+    verdict = RayVerifier(where)("7", "7")
+    assert verdict.outcome == Outcome.SUCCESS and verdict.error != f"pid {os.getpid()}"
+    failed = run_verifier(RayVerifier(broken), "7", "7")
+    assert failed.outcome == Outcome.INFRA_FAILURE and "sandbox gone" in failed.error
+    with VerifierPool(RayVerifier(where), workers=4, retries=1) as pool:
+        verdicts = [pool.submit(str(i), str(i % 2)).result() for i in range(6)]
+    assert [v.reward for v in verdicts] == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    scored = rollout_verifier("addition", VerifyConfig(on_ray=True), round_seed=0)
+    assert isinstance(scored, RayVerifier) and scored("12", "12").outcome == Outcome.SUCCESS

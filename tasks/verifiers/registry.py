@@ -55,11 +55,15 @@ def verifier_version(name: str) -> str:
 
 
 def rollout_verifier(name: str, config: VerifyConfig, round_seed: int) -> Verifier:
-    """The verifier rollout scores with: ``get_verifier``'s, behind the simulated environment when
-    ``config.simulated_environment`` is set (its draws depend on ``round_seed``)."""
-    return simulated_env.with_simulated_environment(
-        get_verifier(name, config), config.simulated_environment, round_seed
-    )
+    """The verifier rollout scores with: ``get_verifier``'s (as Ray tasks with ``config.on_ray``), behind
+    the simulated environment when ``config.simulated_environment`` is set (its draws depend on
+    ``round_seed``)."""
+    verifier = get_verifier(name, config)
+    if config.on_ray:
+        from tasks.verifiers.on_ray import RayVerifier
+
+        verifier = RayVerifier(verifier)
+    return simulated_env.with_simulated_environment(verifier, config.simulated_environment, round_seed)
 
 
 def rollout_verifier_version(name: str, config: VerifyConfig) -> str:

@@ -44,15 +44,24 @@ def _stop_cluster(temp: str) -> None:
     import time
 
     def ours() -> list[int]:
-        pids = []
+        """Processes naming ``temp``, and their descendants: Ray's agents retitle themselves
+        (`ray::DashboardAgent`), so only their parentage says whose they are."""
+        named, parent = set(), {}
         for entry in os.listdir("/proc"):
             try:
                 with open(f"/proc/{entry}/cmdline", "rb") as f:
                     if temp.encode() in f.read():
-                        pids.append(int(entry))
-            except (OSError, ValueError):
+                        named.add(int(entry))
+                with open(f"/proc/{entry}/stat") as f:
+                    parent[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
                 continue
-        return pids
+        found, grew = set(named), True
+        while grew:
+            children = {pid for pid, ppid in parent.items() if ppid in found} - found
+            found |= children
+            grew = bool(children)
+        return sorted(found)
 
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in ours():

@@ -92,7 +92,7 @@ def test_the_round_deployment_asks_for_a_model_reference_not_internal_strings():
     deployments = {d["name"]: d for d in _spec()["deployments"]}
     schema = _schema(_flow(deployments["round"]))
     assert schema["required"] == []  # every field filled in: the form can be submitted as it opens
-    assert set(schema["properties"]) == {"start", "config", "run_id", "experiment", "storage"}
+    assert set(schema["properties"]) == {"start", "config", "run_id", "experiment", "storage", "rounds"}
     assert schema["properties"]["start"]["default"] == "rlrounds-addition@champion"
     assert "NAME/VERSION" in schema["properties"]["start"]["description"]
 

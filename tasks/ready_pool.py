@@ -143,6 +143,9 @@ class ReadyPool:
         self._carried: list[Group] = []
         self._backlog: deque[tuple[Group, Slot]] = deque()  # finished samples waiting for a verifier
         self._outstanding: dict[Future, tuple[Group, Slot]] = {}
+        # verdicts land here from the verifier threads as they finish (deque appends are thread-safe),
+        # so reading them costs one pop each instead of polling every outstanding future per sample
+        self._arrived: deque[Future] = deque()
         self._unresolved: dict[str, Group] = {}  # generated groups without every verdict
         self._generated = 0
         self.trainable = 0
@@ -198,7 +201,7 @@ class ReadyPool:
         while self._backlog or self._outstanding:
             self._pump()
             concurrent.futures.wait(list(self._outstanding), return_when=concurrent.futures.FIRST_COMPLETED)
-            self._collect()
+            self._collect(sweep=True)
 
     def batch_full(self) -> bool:
         """Does the pool hold the target number of trainable groups? (May wait: see module doc.)"""
@@ -244,7 +247,7 @@ class ReadyPool:
             self.drain()
         elif self._patient:
             self._wait(lambda: not self._backlog and not self._outstanding)
-        self._collect()
+        self._collect(sweep=True)
         ready = sorted((g for g in self.groups.values() if g.verified), key=lambda g: g.generated_seq)
         carry = [g for g in self.groups.values() if not g.verified]
         for group in carry:  # their verdicts are not read any more: they are verified again when carried in
@@ -274,19 +277,30 @@ class ReadyPool:
         while self._backlog and len(self._outstanding) < self.limits.max_outstanding:
             group, slot = self._backlog.popleft()
             future = self._submit(slot.text or "", group.reference)
-            future.add_done_callback(lambda _f, s=slot, clock=self._clock: setattr(s, "verified_at", clock()))
             self._outstanding[future] = (group, slot)
+            future.add_done_callback(lambda _f, s=slot, clock=self._clock: setattr(s, "verified_at", clock()))
+            future.add_done_callback(self._arrived.append)
 
-    def _collect(self) -> None:
-        """Read the verdicts that have arrived, hand waiting samples to the verifier, count ready groups."""
+    def _collect(self, sweep: bool = False) -> None:
+        """Read the verdicts that have arrived, hand waiting samples to the verifier, count ready groups.
+
+        ``sweep``: also read futures that are done but whose callback has not run yet (a waiter is woken
+        before a future's callbacks run); used after waiting, where a missed verdict would change the
+        round's stop point."""
         while True:
-            done = [f for f in self._outstanding if f.done()]
-            for future in done:
+            if sweep:
+                self._arrived.extend(f for f in list(self._outstanding) if f.done())
+            arrived = 0
+            while self._arrived:
+                future = self._arrived.popleft()
+                if future not in self._outstanding:  # read by a sweep before its callback ran
+                    continue
                 group, slot = self._outstanding.pop(future)
                 slot.verdict = future.result()
                 self._resolve(group)
+                arrived += 1
             self._pump()
-            if not done:
+            if not arrived:
                 return
 
     def _resolve(self, group: Group) -> None:
@@ -309,4 +323,4 @@ class ReadyPool:
             concurrent.futures.wait(
                 list(self._outstanding), timeout=left, return_when=concurrent.futures.FIRST_COMPLETED
             )
-            self._collect()
+            self._collect(sweep=True)

@@ -106,16 +106,6 @@ def minibatches(rows: list[dict], groups_per_step: int, steps: int) -> list[Trai
     return out
 
 
-def aligned(values: list[list[float]], prompt_width: int, total: int, fill: float = 0.0):
-    """Per-completion-token values placed where token_logprobs reports them: [B, T-1]."""
-    import torch
-
-    out = torch.full((len(values), total - 1), fill, dtype=torch.float32)
-    for row, v in enumerate(values):
-        out[row, prompt_width - 1 : prompt_width - 1 + len(v)] = torch.tensor(v, dtype=torch.float32)
-    return out
-
-
 def train_policy(
     model,
     pad_token_id: int,
@@ -131,7 +121,7 @@ def train_policy(
     """Run the optimizer steps; returns (optimizer state dict, stats)."""
     import torch
 
-    from models.policy import pack_sequences, token_logprobs
+    from models.policy import completion_logprobs, pack_shared, right_padded
 
     torch.manual_seed(config.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
@@ -139,19 +129,21 @@ def train_policy(
         optimizer.load_state_dict(optimizer_state)
         for group in optimizer.param_groups:  # a new round may change the schedule
             group["lr"], group["weight_decay"] = config.learning_rate, config.weight_decay
-    packed = [pack_sequences(b.prompt_ids, b.completion_ids, pad_token_id) for b in batches]
+    # each group's prompt is encoded once and shared by its samples: about half the tokens of
+    # scoring every sample's full sequence (models/policy.py, completion_logprobs)
+    packed = [pack_shared(b.prompt_ids, b.completion_ids, pad_token_id) for b in batches]
     top_ps = [torch.tensor(b.top_p, dtype=torch.float32) for b in batches]  # [B] each
     plan = recompute if isinstance(recompute, list) else [recompute] * len(batches)
     with torch.no_grad():  # trainer logprobs at the sampling weights, before any step moves them
         proximal = [
-            token_logprobs(model, p, temperature, nucleus) if wanted else None
+            completion_logprobs(model, p, temperature, nucleus) if wanted else None
             for p, nucleus, wanted in zip(packed, top_ps, plan)
         ]
     settings = config.loss_settings()
     history: dict[str, list[float]] = {
         k: [] for k in ("loss", "clip_fraction", "grad_norm", "tis_mean", "tis_truncated_fraction", "kl", "ratio_mean")
     }
-    lags: list[int] = []
+    lag_sum, lag_count, lag_max = 0.0, 0, 0.0
     freshness: list[torch.Tensor] = []  # per minibatch: [N, 2] (version lag, log behaviour weight) of its tokens
     mismatch: list[dict[str, float]] = []
     # Forward passes stay in eval mode: dropout would make the trainer score another (random) policy
@@ -159,22 +151,21 @@ def train_policy(
     # measure dropout noise, and the loss would depend on the RNG rather than on the stored rows.
     model.eval()
     for step, (batch, tokens) in enumerate(zip(batches, packed)):
-        prompt_width = tokens.input_ids.shape[1] - max(len(c) for c in batch.completion_ids)
-        total = tokens.input_ids.shape[1]
-        mask = tokens.completion_mask.float()  # [B, T-1]
-        behaviour = aligned(batch.behaviour, prompt_width, total)  # [B, T-1]
-        logp = token_logprobs(model, tokens, temperature, top_ps[step])  # [B, T-1]
+        width = tokens.completion_ids.shape[1]
+        mask = tokens.completion_mask.float()  # [B, C]
+        behaviour = right_padded(batch.behaviour, width)  # [B, C]
+        logp = completion_logprobs(model, tokens, temperature, top_ps[step])  # [B, C]
         ref = None
         if ref_model is not None and config.kl_coef > 0:
             with torch.no_grad():
-                ref = token_logprobs(ref_model, tokens, temperature, top_ps[step])
+                ref = completion_logprobs(ref_model, tokens, temperature, top_ps[step])
         # Engine vs trainer on every minibatch, before its update. With the proximal pass the trainer's
         # side is at the sampling weights (numerics alone); without it (the fp32 embedded engine, where
         # the two agree to ~1e-6) minibatch k is scored k steps past them, so the figure also holds
         # the round's own drift, which is what the ratio corrects there. Only tokens sampled by the
         # parent policy count: a carried-over token's gap is staleness, not mismatch.
-        versions = aligned(batch.policy_versions, prompt_width, total, fill=-1)  # [B, T-1]
-        current = (versions == current_version).float()  # [B, T-1]
+        versions = right_padded(batch.policy_versions, width, fill=-1)  # [B, C]
+        current = (versions == current_version).float()  # [B, C]
         mismatch.append(
             logprob_mismatch(logp.detach() if proximal[step] is None else proximal[step], behaviour, mask * current)
         )
@@ -206,7 +197,9 @@ def train_policy(
             history[key].append(value)
         # Staleness in optimizer steps: the weights being trained are `step` steps past the round's
         # starting policy, plus a whole round per policy version the token lags behind it.
-        lags.extend(step + (current_version - v) * len(batches) for versions in batch.policy_versions for v in versions)
+        lag = step + (current_version - versions[on]) * len(batches)  # [N] over the minibatch's tokens
+        lag_sum, lag_count = lag_sum + float(lag.sum()), lag_count + lag.numel()
+        lag_max = max(lag_max, float(lag.max()) if lag.numel() else 0.0)
         if progress and (step + 1) % 8 == 0:
             progress(f"train: step {step + 1}/{len(batches)} loss {out.loss.item():.4f}")
     stats = {f"train/{k}": statistics.fmean(v) for k, v in history.items() if v}
@@ -219,8 +212,8 @@ def train_policy(
             "train/mismatch_max_abs": pooled["max_abs"],
             "train/mismatch_kl": pooled["kl"],
             "train/mismatch_tokens": pooled["tokens"],
-            "train/staleness_mean_steps": statistics.fmean(lags) if lags else 0.0,
-            "train/staleness_max_steps": float(max(lags, default=0)),
+            "train/staleness_mean_steps": lag_sum / lag_count if lag_count else 0.0,
+            "train/staleness_max_steps": lag_max,
             "train/recomputed_proximal": statistics.fmean(plan) if plan else 0.0,
             "train/samples_spanning_versions_share": statistics.fmean(
                 len(set(v)) > 1 for b in batches for v in b.policy_versions

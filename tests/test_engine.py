@@ -248,3 +248,29 @@ def test_resume_rejects_samples_that_are_not_this_groups_partial_ones(policy):
     done = next(iter(engine.generate(_requests(tok, 1, params)[:1])))
     with pytest.raises(ValueError, match="only this group's partial samples"):
         list(engine.generate([GroupRequest("g0", done.prompt_token_ids, 1, params, (done,))]))
+
+
+def test_a_group_prefills_its_prompt_once(policy):
+    """The n samples of a fresh group share one prompt row in the prefill, and still sample as if each
+    had its own (same tokens and logprobs as groups of one sample seeded alike)."""
+    model, tok = policy
+    engine = EmbeddedEngine(model, tok.eos_token_id, tok.pad_token_id, max_batch=64)
+    prefill_rows = []
+    hook = model.register_forward_pre_hook(
+        lambda _m, _a, kw: prefill_rows.append(kw["input_ids"].shape[0]) if kw["input_ids"].shape[1] > 1 else None,
+        with_kwargs=True,
+    )
+    try:
+        params = SamplingParams(temperature=1.0, max_tokens=8, seed=5)
+        shared = {
+            (s.group_id, s.sample_index): (s.token_ids, s.logprobs) for s in engine.generate(_requests(tok, 4, params))
+        }
+    finally:
+        hook.remove()
+    assert prefill_rows == [len(PROMPTS)]  # one row per prompt, not per sample
+    assert len(shared) == len(PROMPTS) * 4
+    lone = EmbeddedEngine(model, tok.eos_token_id, tok.pad_token_id, max_batch=1)  # each sample prefilled alone
+    alone = {(s.group_id, s.sample_index): (s.token_ids, s.logprobs) for s in lone.generate(_requests(tok, 4, params))}
+    for key, (tokens, logprobs) in alone.items():
+        assert shared[key][0] == tokens
+        assert torch.allclose(torch.tensor(shared[key][1]), torch.tensor(logprobs), atol=1e-5)

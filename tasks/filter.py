@@ -218,6 +218,32 @@ def filter_stats(rows: list[dict]) -> dict[str, float]:
 
 # -- the stage ------------------------------------------------------------------------------------
 
+DECISION_INPUTS = (
+    "group_id",
+    "sample_index",
+    "reward",
+    "outcome",
+    "token_policy_versions",
+    "finish_reason",
+    "completion_token_ids",
+    "sampling",
+)
+"""The columns ``decide``, ``apply_decisions`` and ``filter_stats`` read."""
+
+
+def with_decisions(table, rows: list[dict]):
+    """``table`` with its advantage, kept and drop_reason columns taken from ``rows`` (same order)."""
+    import pyarrow as pa
+
+    from storage.trajectories import arrow_schema
+
+    schema = arrow_schema()
+    for name in ("advantage", "kept", "drop_reason"):
+        column = pa.array([r[name] for r in rows], type=schema.field(name).type)
+        table = table.set_column(table.column_names.index(name), schema.field(name), column)
+    return table
+
+
 
 def run_filter(
     *,
@@ -243,7 +269,6 @@ def run_filter(
         TrajectoryStoreError,
         committed_round_version,
         read_table,
-        rows_to_table,
         write_version,
     )
 
@@ -263,7 +288,9 @@ def run_filter(
             "and resume to generate the round again"
         )
     with root.fs.open(staging, "rb") as f:
-        rows = pq.read_table(f).to_pylist()
+        table = pq.read_table(f)
+    # decisions need a few light columns; the heavy ones (texts, logprobs) stay in Arrow, untouched
+    rows = table.select([c for c in DECISION_INPUTS if c in table.column_names]).to_pylist()
     attachments = {}
     if carryover is not None:  # the round's unfinished samples: committed with its version, resumed next round
         with root.fs.open(carryover, "rb") as f:
@@ -271,6 +298,7 @@ def run_filter(
         if pq.read_metadata(io.BytesIO(carry)).num_rows:
             attachments[CARRYOVER] = carry
     rows = apply_decisions(rows, decide(rows, config, ctx.parent_policy_version), target_groups)
+    table = with_decisions(table, rows)
     meta = {
         "kind": "rollout",
         "run_id": ctx.run_id,
@@ -284,7 +312,7 @@ def run_filter(
         "rollout_stats": rollout_stats,
     }
     manifest = write_version(
-        root, lambda v: root.trajectory_version(ctx.run_id, ctx.round, v), rows_to_table(rows), meta, attachments
+        root, lambda v: root.trajectory_version(ctx.run_id, ctx.round, v), table, meta, attachments
     )
     root.fs.rm(root.staging(ctx.run_id, ctx.round), recursive=True)  # committed: the staging copy is redundant
     return TrajectoryVersion(version=manifest.version, uri=manifest.directory, stats=filter_stats(rows))

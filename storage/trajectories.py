@@ -27,7 +27,7 @@ from typing import Any
 from storage.files import write_atomic
 from storage.paths import CARRYOVER, MANIFEST, StorageRoot, child, manifest_of, part_name
 
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "1.1"  # 1.1: prompt_weight
 ROWS_PER_PART = 50_000
 
 
@@ -57,6 +57,7 @@ def arrow_schema():
             ("prompt_text", pa.string()),
             ("prompt_token_ids", pa.list_(pa.int32())),
             ("reference", pa.string()),
+            ("prompt_weight", pa.float64()),  # probability the curriculum drew the prompt with (null before 1.1)
             # completion
             ("completion_text", pa.string()),
             ("completion_token_ids", pa.list_(pa.int32())),

@@ -30,6 +30,7 @@ from models.addition import Prompt
 from models.engine import GeneratedSample, GroupRequest, SamplingParams
 from tasks.config_base import Config, Dtype
 from tasks.context import RoundContext
+from tasks.curriculum import admitted, solved_prompts
 from tasks.filter import FilterConfig, group_is_trainable
 from tasks.prompts import PromptError, PromptsConfig, prompt_stream
 from tasks.ready_pool import PARTIAL, VERIFIED, Group, Harvest, PoolLimits, ReadyPool, Slot
@@ -82,6 +83,14 @@ class RolloutConfig(Config):
     answers within it makes the round's stop point, and so its rows, reproducible; 0 never waits."""
 
 
+@dataclass(frozen=True)
+class Drawn:
+    """A group's prompt and the probability the curriculum drew it with (recorded as prompt_weight)."""
+
+    prompt: Prompt
+    weight: float
+
+
 @dataclass
 class RolloutResult:
     """The samples of ready groups in the order their groups finished, the carry-over, and the figures."""
@@ -114,9 +123,11 @@ def generate_and_verify(
     max_context: int | None = None,
     carried_rows: list[dict] | None = None,
     policy_version: int | None = None,
+    solved: frozenset[str] = frozenset(),
 ) -> RolloutResult:
     """One round's collection. ``carried_rows``: the previous round's carry-over, resumed first.
     ``policy_version``: the policy being sampled (filter.max_staleness is judged against it; None: not).
+    ``solved``: prompt ids the curriculum draws with probability ``prompts.solved_weight``.
 
     ``max_context``: the model's positions; a prompt that cannot fit with rollout.max_tokens is an
     input error, raised before it is generated (the engine would fail deep inside, or silently wrap)."""
@@ -126,16 +137,25 @@ def generate_and_verify(
     carried = groups_from_carry(carried_rows or [])
     start = time.time()
 
+    skipped = 0
+
     def fresh():
+        nonlocal skipped
+        position = 0
         for index in range(int(target_groups * rollout.max_prompts_factor)):
-            prompt = next(stream)
+            while True:  # the curriculum: a recently solved prompt is drawn with probability solved_weight
+                prompt, position = next(stream), position + 1
+                weight = prompts.solved_weight if prompt.prompt_id in solved else 1.0
+                if admitted(seed, position, weight):
+                    break
+                skipped += 1
             ids = tuple(tokenizer(prompt.text)["input_ids"])
             if max_context is not None and len(ids) + rollout.max_tokens > max_context:
                 raise PromptError(
                     context_overflow(prompts.source, prompt.prompt_id, len(ids), rollout.max_tokens, max_context)
                 )
             request = GroupRequest(f"r{round_index}-g{index:06d}", ids, rollout.samples_per_prompt, sampling)
-            yield Group(request, prompt.reference, prompt, time.time())
+            yield Group(request, prompt.reference, Drawn(prompt, weight), time.time())
 
     def trainable(group: Group) -> bool:
         rows = [
@@ -208,6 +228,8 @@ def generate_and_verify(
     rows = [sample_row(g, slot, context) for g in harvest.ready for slot in g.slots]
     carry_rows = [sample_row(g, slot, context) for g in harvest.carry for slot in g.slots]
     stats = {**rollout_stats(rows, carry_rows, harvest, carried, target_groups, start, end), **verifiers.stats()}
+    stats["rollout/curriculum_solved_prompts"] = len(solved)
+    stats["rollout/curriculum_skipped_prompts"] = skipped
     return RolloutResult(rows=rows, carry_rows=carry_rows, stats=stats)
 
 
@@ -233,7 +255,8 @@ def sample_row(group: Group, slot: Slot, context: dict) -> dict:
 
     A carried sample's row has ``carry_state`` (partial | unverified | verified); a partial one holds
     its prefix and ``finish_reason='abort'``. Engine and verifier are the ones that finished it."""
-    prompt: Prompt = group.meta
+    drawn: Drawn = group.meta
+    prompt = drawn.prompt
     sample: GeneratedSample = slot.sample if slot.finished else slot.carried_partial
     verdict: Verdict | None = slot.verdict
     return {
@@ -246,6 +269,7 @@ def sample_row(group: Group, slot: Slot, context: dict) -> dict:
         "prompt_text": prompt.text,
         "prompt_token_ids": list(group.request.prompt_token_ids),
         "reference": prompt.reference,
+        "prompt_weight": drawn.weight,
         "completion_text": slot.text,
         "completion_token_ids": list(sample.token_ids),
         "rollout_logprobs": list(sample.logprobs),
@@ -289,6 +313,7 @@ def groups_from_carry(rows: list[dict]) -> list[Group]:
         prompt = Prompt(
             prompt_id=first["prompt_id"], task=first["task"], text=first["prompt_text"], reference=first["reference"]
         )
+        weight = first.get("prompt_weight")  # None: written before the curriculum, which drew every prompt
         slots = []
         for row in members:
             sample = GeneratedSample(
@@ -313,7 +338,8 @@ def groups_from_carry(rows: list[dict]) -> list[Group]:
                 )
                 slot.verified_at = _epoch(row["verified_at"])
             slots.append(slot)
-        groups.append(Group(request, prompt.reference, prompt, _epoch(first["enqueued_at"]), slots))
+        drawn = Drawn(prompt, 1.0 if weight is None else weight)
+        groups.append(Group(request, prompt.reference, drawn, _epoch(first["enqueued_at"]), slots))
     return groups
 
 
@@ -442,6 +468,9 @@ def run_rollout(
     if committed is not None:  # resumed after filter committed this round: generating again could only differ
         return Staged(staging=None, stats=committed.body.get("rollout_stats", {}), resumed=True)
     carried = read_carryover(root, read_manifest(root, carry_from)) if carry_from is not None else []
+    solved = frozenset()
+    if prompts.solved_weight < 1:
+        solved = solved_prompts(root, ctx.run_id, ctx.round, prompts.history_rounds)
     local = checkpoints.local_copy(root, ctx.parent_checkpoint)
     engine, tokenizer, _ = serving_engine(
         rollout.engine,
@@ -466,6 +495,7 @@ def run_rollout(
         context_length(local),
         carried,
         ctx.parent_policy_version,
+        solved,
     )
     check_infra_failure_rate(result.stats, verify.max_infra_failure_rate, ctx.round)  # before anything is staged
     staging = root.rollout_staging_file(ctx.run_id, ctx.round)

@@ -1,0 +1,56 @@
+"""A curriculum from the campaign's own history: prompts that every sample solved lately are drawn less.
+
+Late in a campaign most groups are solved by all their samples. Such a group has zero advantage, so
+filter drops it after its generation was paid for (on the default task, from round 20 on, 48% of the
+generated groups). A prompt's most recent group predicts its next one. On the default task, rounds 20
+to 45, a prompt whose last group was solved by every sample was solved by every sample again 64% of
+the time; for the other prompts it was 36%. So a prompt that every sample of its most recent group
+solved, within the campaign's last ``prompts.history_rounds`` committed trajectory versions, is
+admitted with probability ``prompts.solved_weight``, and the others always are.
+
+The inputs are committed versions only, and the draw is a hash of (round seed, position in the
+prompt stream). So a round generated again (a resumed crash) draws the same prompts. Every row
+records the probability its prompt was admitted with (``prompt_weight``), so what training saw stays
+auditable, and a replay trains on the stored rows as they are.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import TYPE_CHECKING
+
+from tasks.verifiers.outcome import Outcome
+
+if TYPE_CHECKING:
+    from storage.paths import StorageRoot
+
+
+def solved_prompts(root: StorageRoot, run_id: str, round_index: int, history_rounds: int) -> frozenset[str]:
+    """Prompt ids whose most recent group in the last ``history_rounds`` committed versions of the
+    campaign (rounds before ``round_index``) had every sample succeed."""
+    from storage.trajectories import committed_round_version, read_table
+
+    latest: dict[str, bool] = {}
+    for past in range(max(1, round_index - history_rounds), round_index):
+        version = committed_round_version(root, run_id, past)
+        if version is None:  # a round of another campaign shape, or not committed: no evidence
+            continue
+        table = read_table(root, version, columns=["prompt_id", "group_id", "outcome"])
+        solved: dict[str, bool] = {}
+        prompt_of: dict[str, str] = {}
+        for prompt_id, group_id, outcome in zip(
+            *(table.column(c).to_pylist() for c in ("prompt_id", "group_id", "outcome"))
+        ):
+            prompt_of[group_id] = prompt_id
+            solved[group_id] = solved.get(group_id, True) and outcome == Outcome.SUCCESS.value
+        for group_id, prompt_id in prompt_of.items():  # groups in stored order: the latest one wins
+            latest[prompt_id] = solved[group_id]
+    return frozenset(p for p, s in latest.items() if s)
+
+
+def admitted(seed: int, position: int, weight: float) -> bool:
+    """A seeded draw with probability ``weight`` for the prompt at ``position`` of a round's stream."""
+    if weight >= 1.0:
+        return True
+    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2.0**64 < weight

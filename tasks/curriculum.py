@@ -28,13 +28,27 @@ if TYPE_CHECKING:
 def solved_prompts(root: StorageRoot, run_id: str, round_index: int, history_rounds: int) -> frozenset[str]:
     """Prompt ids whose most recent group in the last ``history_rounds`` committed versions of the
     campaign (rounds before ``round_index``) had every sample succeed."""
-    from storage.trajectories import committed_round_version, read_table
+    from storage.trajectories import committed_round_version
 
     latest: dict[str, bool] = {}
     for past in range(max(1, round_index - history_rounds), round_index):
         version = committed_round_version(root, run_id, past)
-        if version is None:  # a round of another campaign shape, or not committed: no evidence
+        if version is None:  # not committed (or another campaign shape): no evidence
             continue
+        latest.update(_latest_outcomes(root, version))
+    return frozenset(p for p, s in latest.items() if s)
+
+
+_OUTCOMES: dict[tuple[str, str], dict[str, bool]] = {}
+"""Per committed version (root URI, content-addressed id): prompt id -> solved. A version never
+changes, so a campaign's process reads each round's outcomes once, not once per later round."""
+
+
+def _latest_outcomes(root: StorageRoot, version) -> dict[str, bool]:
+    from storage.trajectories import read_table
+
+    key = (root.uri, version.version)
+    if key not in _OUTCOMES:
         table = read_table(root, version, columns=["prompt_id", "group_id", "outcome"])
         solved: dict[str, bool] = {}
         prompt_of: dict[str, str] = {}
@@ -43,9 +57,11 @@ def solved_prompts(root: StorageRoot, run_id: str, round_index: int, history_rou
         ):
             prompt_of[group_id] = prompt_id
             solved[group_id] = solved.get(group_id, True) and outcome == Outcome.SUCCESS.value
-        for group_id, prompt_id in prompt_of.items():  # groups in stored order: the latest one wins
-            latest[prompt_id] = solved[group_id]
-    return frozenset(p for p, s in latest.items() if s)
+        # groups in stored order: a prompt's latest group in the version wins
+        _OUTCOMES[key] = {prompt_id: solved[group_id] for group_id, prompt_id in prompt_of.items()}
+        while len(_OUTCOMES) > 256:  # bounded: the oldest entries go first
+            del _OUTCOMES[next(iter(_OUTCOMES))]
+    return _OUTCOMES[key]
 
 
 def admitted(seed: int, position: int, weight: float) -> bool:

@@ -33,12 +33,12 @@ class PromptsConfig(Config):
     path to a .parquet or .jsonl file with columns prompt, reference."""
     task: str = "addition"
     """Task name recorded on every row; also selects the verifier unless verify.verifier is set."""
-    solved_weight: float = Field(1.0, gt=0.0, le=1.0)
+    solved_weight: float = Field(0.2, gt=0.0, le=1.0)
     """Curriculum (tasks/curriculum.py): the probability that a prompt is drawn when every sample of its
     most recent group, within the last history_rounds rounds, succeeded. Such groups mostly teach
     nothing (zero advantage). 1 draws every prompt. Each row records the probability it was drawn
     with (prompt_weight)."""
-    history_rounds: int = Field(4, ge=1)
+    history_rounds: int = Field(16, ge=1)
     """Committed rounds of this campaign that the curriculum looks back over."""
 
     @field_validator("source")

@@ -279,6 +279,15 @@ class Tracker:
     def model_version(self, name: str, version: str) -> Any:
         return self.client.get_model_version(name, version)
 
+    def registered_version(self, name: str, version: str, where: str = "") -> Any:
+        """``model_version``, or a LineageError naming the version (and ``where``, e.g. " in ROOT")."""
+        try:
+            return self.model_version(name, version)
+        except Exception as exc:  # MLflow raises its own error type for a missing version
+            raise LineageError(
+                f"no registered model version {name}/{version}{where}; list versions with `rlrounds lineage`"
+            ) from exc
+
     def alias_version(self, name: str, alias: str) -> str | None:
         try:
             return str(self.client.get_model_version_by_alias(name, alias).version)

@@ -304,7 +304,7 @@ def run_evaluate_version(
     """Score a registered model version ('NAME/VERSION') at ``config``'s serving engine and dtype and at
     training precision; tag both and the gap on the version. The champion alias is not touched."""
     from storage import checkpoints
-    from storage.lineage import LineageError, Tracker, checkpoint_uri, parse_model_version
+    from storage.lineage import Tracker, checkpoint_uri, parse_model_version
     from storage.paths import StorageRoot
     from storage.settings import settings
     from tasks.prompts import evaluation_prompts
@@ -312,12 +312,7 @@ def run_evaluate_version(
     name, version = parse_model_version(model_version)
     root = StorageRoot.of(storage)
     tracker = Tracker.connect(settings(), root)
-    try:
-        registered = tracker.model_version(name, version)
-    except Exception as exc:  # MLflow raises its own error type for a missing version
-        raise LineageError(
-            f"no registered model version {model_version} in {storage}; list versions with `rlrounds lineage`"
-        ) from exc
+    registered = tracker.registered_version(name, version, where=f" in {storage}")
     local = checkpoints.local_copy(root, checkpoint_uri(registered))
     held_out = evaluation_prompts(prompts, config.source)
     round_tag = str(registered.tags.get("round", ""))

@@ -21,22 +21,21 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Annotated, Literal
 
 from pydantic import Field
 
-from models.addition import Prompt
-from models.engine import GeneratedSample, GroupRequest, SamplingParams
+from models.engine import GroupRequest, SamplingParams
 from tasks.config_base import Config, Dtype
 from tasks.context import RoundContext
 from tasks.curriculum import admitted, solved_prompts
 from tasks.filter import FilterConfig, group_is_trainable
 from tasks.prompts import PromptError, PromptsConfig, prompt_stream
-from tasks.ready_pool import PARTIAL, VERIFIED, Group, Harvest, PoolLimits, ReadyPool, Slot
+from tasks.ready_pool import PARTIAL, Group, Harvest, PoolLimits, ReadyPool
 from tasks.results import NotInput, Staged
+from tasks.rows import Drawn, groups_from_carry, sample_row
 from tasks.verifiers.config import VerifyConfig
-from tasks.verifiers.outcome import Outcome, Verdict
+from tasks.verifiers.outcome import Outcome
 from tasks.verifiers.pool import VerifierPool, check_infra_failure_rate
 from tasks.verifiers.registry import rollout_verifier, rollout_verifier_version
 
@@ -83,14 +82,6 @@ class RolloutConfig(Config):
     answers within it makes the round's stop point, and so its rows, reproducible; 0 never waits."""
 
 
-@dataclass(frozen=True)
-class Drawn:
-    """A group's prompt and the probability the curriculum drew it with (recorded as prompt_weight)."""
-
-    prompt: Prompt
-    weight: float
-
-
 @dataclass
 class RolloutResult:
     """The samples of ready groups in the order their groups finished, the carry-over, and the figures."""
@@ -98,14 +89,6 @@ class RolloutResult:
     rows: list[dict]
     carry_rows: list[dict]
     stats: dict[str, float]
-
-
-def _utc(t: float | None) -> datetime | None:
-    return None if t is None else datetime.fromtimestamp(t, tz=UTC)
-
-
-def _epoch(t: datetime | None) -> float | None:
-    return None if t is None else t.timestamp()
 
 
 def generate_and_verify(
@@ -248,99 +231,6 @@ def _collect_in_barriers(engine, pool: ReadyPool, fresh, target_groups: int, pro
         batch_index += 1
         if progress:
             progress(f"rollout: barrier {batch_index}, {pool.trainable}/{target_groups} trainable groups")
-
-
-def sample_row(group: Group, slot: Slot, context: dict) -> dict:
-    """A trajectory row (schema: storage/trajectories.py), for a ready group or the carry-over.
-
-    A carried sample's row has ``carry_state`` (partial | unverified | verified); a partial one holds
-    its prefix and ``finish_reason='abort'``. Engine and verifier are the ones that finished it."""
-    drawn: Drawn = group.meta
-    prompt = drawn.prompt
-    sample: GeneratedSample = slot.sample if slot.finished else slot.carried_partial
-    verdict: Verdict | None = slot.verdict
-    return {
-        "run_id": context["run_id"],
-        "round": context["round"],
-        "prompt_id": prompt.prompt_id,
-        "group_id": group.request.group_id,
-        "sample_index": slot.index,
-        "task": prompt.task,
-        "prompt_text": prompt.text,
-        "prompt_token_ids": list(group.request.prompt_token_ids),
-        "reference": prompt.reference,
-        "prompt_weight": drawn.weight,
-        "completion_text": slot.text,
-        "completion_token_ids": list(sample.token_ids),
-        "rollout_logprobs": list(sample.logprobs),
-        "token_policy_versions": list(sample.token_policy_versions),
-        "finish_reason": sample.finish_reason,
-        "engine": context["engine"],
-        "sampling": group.request.sampling.as_dict(),
-        "verifier": context["verifier"],
-        "reward": verdict.reward if verdict else None,
-        "outcome": verdict.outcome.value if verdict else None,
-        "verify_error": verdict.error if verdict else None,
-        "advantage": None,
-        "kept": None,
-        "drop_reason": None,
-        "enqueued_at": _utc(group.enqueued_at),
-        "started_at": _utc(sample.started_at),
-        "finished_at": _utc(sample.finished_at),
-        "verified_at": _utc((slot.verified_at or sample.finished_at) if verdict else None),
-        "gen_latency_s": sample.gen_s,
-        "verify_latency_s": verdict.latency_s if verdict else None,
-        "carry_state": slot.state,
-    }
-
-
-def groups_from_carry(rows: list[dict]) -> list[Group]:
-    """The ready pool's groups from a committed carry-over (rows as ``sample_row`` wrote them)."""
-    by_group: dict[str, list[dict]] = {}
-    for row in rows:
-        by_group.setdefault(row["group_id"], []).append(row)
-    groups = []
-    for group_id, members in by_group.items():
-        members.sort(key=lambda r: r["sample_index"])
-        first = members[0]
-        sp = first["sampling"]
-        request = GroupRequest(
-            group_id,
-            tuple(first["prompt_token_ids"]),
-            len(members),
-            SamplingParams(sp["temperature"], sp["top_p"], sp["max_tokens"], sp["seed"]),
-        )
-        prompt = Prompt(
-            prompt_id=first["prompt_id"], task=first["task"], text=first["prompt_text"], reference=first["reference"]
-        )
-        weight = first.get("prompt_weight")  # None: written before the curriculum, which drew every prompt
-        slots = []
-        for row in members:
-            sample = GeneratedSample(
-                group_id,
-                row["sample_index"],
-                request.prompt_token_ids,
-                list(row["completion_token_ids"]),
-                list(row["rollout_logprobs"]),
-                list(row["token_policy_versions"]),
-                row["finish_reason"],
-                _epoch(row["started_at"]),
-                _epoch(row["finished_at"]),
-                row["gen_latency_s"] or 0.0,
-            )
-            if row["carry_state"] == PARTIAL:
-                slots.append(Slot(row["sample_index"], carried_partial=sample))
-                continue
-            slot = Slot(row["sample_index"], sample=sample, text=row["completion_text"])
-            if row["carry_state"] == VERIFIED:
-                slot.verdict = Verdict(
-                    row["reward"], Outcome(row["outcome"]), row["verify_error"], row["verify_latency_s"] or 0.0
-                )
-                slot.verified_at = _epoch(row["verified_at"])
-            slots.append(slot)
-        drawn = Drawn(prompt, 1.0 if weight is None else weight)
-        groups.append(Group(request, prompt.reference, drawn, _epoch(first["enqueued_at"]), slots))
-    return groups
 
 
 def context_overflow(source: str, prompt_id: str, prompt_tokens: int, max_tokens: int, max_context: int) -> str:

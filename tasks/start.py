@@ -54,12 +54,7 @@ def run_resolve_start(*, storage: str, start: str) -> StartPoint:
             raise LineageError(
                 f"no version of {name!r} carries the alias {alias!r}; run a campaign first, or start from NAME/VERSION"
             )
-    try:
-        registered = tracker.model_version(name, version)
-    except Exception as exc:  # MLflow raises its own error type for a missing version
-        raise LineageError(
-            f"no registered model version {name}/{version}; list versions with `rlrounds lineage`"
-        ) from exc
+    registered = tracker.registered_version(name, version)
     tags = registered.tags
     if not str(tags.get("round", "")).isdigit():
         raise LineageError(f"{name}/{version} has no round tag; start from a version registered by rlrounds")

@@ -1,6 +1,6 @@
 """Batch collection on the long-tail preset, three ways in one run: a synchronous barrier, the ready pool,
-and the ready pool with partial rollouts; then the preset's campaign with the barrier and with partial
-rollouts, same seed.
+and the ready pool with partial rollouts; then the preset's campaign with the barrier, with partial
+rollouts, and with partial rollouts overlapped with training (round.mode overlap), same seed.
 
     python benchmarks/batch_collection.py [--storage DIR] [--quick] [--json PATH]
 
@@ -26,9 +26,12 @@ Per round, means over the rounds:
   complete groups beyond the target); carried-over prefixes are not waste, the next round resumes them;
 - length bias: mean completion length of the kept samples over that of all generated (1: none).
 
-Campaign. ``rlrounds run --preset long-tail`` twice from one base: rollout.collection=sync_barrier, and
-the default (partial rollouts). Seconds to target are the summed ``time/round_s`` of the rounds up to
-the first held-out accuracy >= --target (start-up is the same for both and left out).
+Campaign. ``rlrounds run --preset long-tail`` three times from one base: rollout.collection=sync_barrier,
+the default (partial rollouts), and the default with round.mode=overlap (round k+1's rollout runs while
+round k trains). Seconds to target are the summed ``time/round_s`` of the rounds up to the first held-out
+accuracy >= --target (start-up is the same for all and left out). Per mode also: the trainer's idle share
+(1 - train seconds / round seconds) and the generator's (1 - engine generating seconds / round seconds,
+an overlapped rollout's wait for the trainer's weights counted as idle).
 
 ``--quick`` shrinks both parts (fewer rounds, a lower target) to stay under about five minutes here;
 the JSON has the same shape.
@@ -143,17 +146,24 @@ def collection(engine, tokenizer, rc, rounds: int, seed: int) -> dict[str, dict]
     return figures
 
 
+CAMPAIGN_MODES = ("sync_barrier", "partial_rollouts", "overlap")
+
+
 def campaign(storage: str, preset: str, mode: str, rounds: int, seed: int, target: float) -> dict:
     from flows.campaign import new_run_id, rl_campaign
     from flows.config import load_campaign_config
 
     config = load_campaign_config(None, preset)
+    rollout = rollout_for(config.round.rollout, "partial_rollouts" if mode == "overlap" else mode)
+    round_config = config.round.model_copy(
+        update={"seed": seed, "rollout": rollout, "mode": "overlap" if mode == "overlap" else "sync"}
+    )
     config = config.model_copy(
         update={
             "rounds": rounds,
             "stop_at_accuracy": None,
             "run_id": f"bench-{mode}-{new_run_id()}",
-            "round": config.round.model_copy(update={"seed": seed, "rollout": rollout_for(config.round.rollout, mode)}),
+            "round": round_config,
         }
     )
     result = rl_campaign(config=config, storage=storage, resume=False)
@@ -171,6 +181,8 @@ def campaign(storage: str, preset: str, mode: str, rounds: int, seed: int, targe
         "final_accuracy": history[-1]["accuracy"],
         "rounds": len(history) - 1,
         "seconds": seconds,
+        "trainer_idle_fraction": 1 - sum(e["stage_seconds"].get("train_s", 0.0) for e in history[1:]) / seconds,
+        "generator_idle_fraction": 1 - sum(e["generating_s"] for e in history[1:]) / seconds,
         "run_id": result["run_id"],
     }
 
@@ -245,7 +257,7 @@ def main() -> None:
         target = args.target if args.target is not None else (0.45 if args.quick else 0.85)
         print(f"\ncampaign: preset {args.preset}, {campaign_rounds} rounds per mode, target {target:.0%}", flush=True)
         figures["campaign"] = {}
-        for mode in ("sync_barrier", "partial_rollouts"):
+        for mode in CAMPAIGN_MODES:
             figures["campaign"][mode] = c = campaign(
                 args.storage, args.preset, mode, campaign_rounds, args.seed, target
             )
@@ -256,7 +268,8 @@ def main() -> None:
             )
             print(
                 f"  {mode:16s} base {c['base_accuracy']:.1%}, to {target:.0%}: {reached}, "
-                f"final {c['final_accuracy']:.1%} after {c['rounds']} rounds ({c['seconds']:.0f} s of rounds)",
+                f"final {c['final_accuracy']:.1%} after {c['rounds']} rounds ({c['seconds']:.0f} s of rounds); "
+                f"idle: trainer {c['trainer_idle_fraction']:.0%}, generator {c['generator_idle_fraction']:.0%}",
                 flush=True,
             )
         camp = figures["campaign"]
@@ -266,12 +279,26 @@ def main() -> None:
         figures["ratios"]["campaign_final_accuracy_difference"] = (
             camp["partial_rollouts"]["final_accuracy"] - camp["sync_barrier"]["final_accuracy"]
         )
+        figures["ratios"]["campaign_partial_rollouts_over_overlap"] = ratio(
+            camp["partial_rollouts"]["seconds_to_target"], camp["overlap"]["seconds_to_target"]
+        )
+        figures["ratios"]["campaign_overlap_final_accuracy_difference"] = (
+            camp["overlap"]["final_accuracy"] - camp["partial_rollouts"]["final_accuracy"]
+        )
         r = figures["ratios"]["campaign_sync_barrier_over_partial_rollouts"]
         print(
             "  wall time to target, sync_barrier / partial_rollouts: "
             + ("n/a (a mode did not reach it)" if r is None else f"{r:.2f}x")
             + " (goal >= 1.3x); final accuracy, partial_rollouts - sync_barrier: "
             f"{100 * figures['ratios']['campaign_final_accuracy_difference']:+.1f} points (goal >= -2)"
+        )
+        r = figures["ratios"]["campaign_partial_rollouts_over_overlap"]
+        print(
+            "  wall time to target, sync (partial rollouts) / overlap: "
+            + ("n/a (a mode did not reach it)" if r is None else f"{r:.2f}x")
+            + " (goal >= 1.3x); final accuracy, overlap - sync: "
+            f"{100 * figures['ratios']['campaign_overlap_final_accuracy_difference']:+.1f} points (goal >= -2); "
+            f"trainer idle in overlap {camp['overlap']['trainer_idle_fraction']:.0%} of the rounds (goal < 10%)"
         )
     if args.json:
         with open(args.json, "w") as f:

@@ -173,6 +173,8 @@ def _rounds(config: CampaignConfig, storage: str, run_id: str, version: str, own
             parent_model_version=parent_version,
             base_model=base.base_model,
             code_version=version,
+            next_round=k < config.rounds,
+            stop_at_accuracy=config.stop_at_accuracy,
         )
         s = result.stats
         log.info("%s", round_line(k, s, result.resumed_stages))
@@ -185,6 +187,9 @@ def _rounds(config: CampaignConfig, storage: str, run_id: str, version: str, own
                 "seconds": s["time/round_s"],
                 "reward": s.get("verify/mean_reward"),
                 "kept_groups": s.get("filter/kept_groups"),
+                "stage_seconds": {key.removeprefix("time/"): v for key, v in s.items() if key.startswith("time/")},
+                # the engine's generating seconds (overlap mode: less its wait for the trainer's weights)
+                "generating_s": s.get("rollout/wall_s", 0.0) - s.get("rollout/weight_update_wait_s", 0.0),
             }
         )
         publish_rounds_table(run_id, history)

@@ -10,7 +10,7 @@ import hashlib
 import json
 import os
 import re
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
@@ -72,6 +72,15 @@ class RoundConfig(Config):
     """How published checkpoints are scored, at serving precision."""
     seed: int = 0
     """Seeds prompt order and sampling; a round's seed is derived from it and the round index."""
+    mode: Literal["sync", "overlap"] = "sync"
+    """'sync': a round's rollout starts once the previous round has trained, published and evaluated.
+    'overlap': round k+1's rollout runs while round k trains; round k's weights go into the running
+    engine between two decode steps (rollout.update_kv says what happens to sequences in flight), so
+    rows mix two policy versions, each token labelled with its own; evaluation gets an engine of its own."""
+    overlap_update_after: float = Field(0.5, gt=0.0, le=4.0)
+    """mode overlap: the next round's rollout takes the new weights once it has finished this many times
+    target_groups x samples_per_prompt samples, waiting there for training if it is late. A count, not a
+    time, so rows and resumes stay reproducible; lower means fresher rows but more waiting."""
 
     @property
     def target_groups(self) -> int:
@@ -107,6 +116,24 @@ class RoundConfig(Config):
                 f"no verifier named {self.verifier!r}; set verify.verifier to one of: {', '.join(sorted(VERIFIERS))}"
             )
         return self
+
+    @model_validator(mode="after")
+    def _overlap_supported(self) -> RoundConfig:
+        if self.mode != "overlap":
+            return self
+        if self.rollout.collection != "ready_pool":
+            raise ValueError("mode 'overlap' needs rollout.collection 'ready_pool'; set it, or use mode 'sync'")
+        if self.rollout.replicas > 1 or self.rollout.ray_address:
+            raise ValueError(
+                "mode 'overlap' updates the weights of one in-process engine mid-generation; set rollout.replicas "
+                "to 1 and leave rollout.ray_address unset, or use mode 'sync'"
+            )
+        return self
+
+    @property
+    def update_after_samples(self) -> int:
+        """mode overlap: finished samples after which the next round's rollout takes the new weights."""
+        return max(1, round(self.overlap_update_after * self.target_groups * self.rollout.samples_per_prompt))
 
     @model_validator(mode="after")
     def _builtin_base_fits_prompts(self) -> RoundConfig:

@@ -3,6 +3,11 @@
 Sequencing only: every stage is a task that takes URIs and configs by keyword and returns a typed
 result (tasks/results.py) of URIs and small stats. Rollout verifies each sample as it finishes
 (verification overlaps generation); filter commits the trajectory version to the store.
+
+``round.mode: overlap`` (tasks/overlap.py): once this round's trajectories are committed, the next
+round's rollout is submitted as its own task run and generates while this round trains, publishes and
+evaluates; train hands it the new checkpoint. The round ends when that rollout is recorded (under the
+next round, which then finds its rollout committed and goes straight to filter).
 """
 
 from __future__ import annotations
@@ -25,9 +30,15 @@ from flows.tasks import (
     rollout_task,
     train_task,
 )
+from storage.paths import StorageRoot
 from tasks.context import RoundContext
+from tasks.overlap import NextPolicy, Overlapped, RolloutCancelled
 from tasks.results import StageResult, Stats
 from tasks.rollout import carry_source
+
+OVERLAPPED_PARENT = "(registered while this rollout ran)"
+"""An overlapped rollout's context holds this as its parent's registered version: the rollout starts
+before the parent is registered, and never reads it (it is not part of what it generates)."""
 
 
 class RoundResult(StageResult):
@@ -61,7 +72,10 @@ class _Clock:
 
 @flow(name="rl-round", flow_run_name="{run_id}-round-{round_index}", validate_parameters=True)
 def rl_round(config: RoundConfig, storage: str, run_id: str, round_index: int, experiment: str, parent_checkpoint: str,
-             parent_model_version: str, base_model: str, code_version: str) -> RoundResult:
+             parent_model_version: str, base_model: str, code_version: str, next_round: bool = False,
+             stop_at_accuracy: float | None = None) -> RoundResult:
+    """One round. ``next_round``: another round follows (overlap mode starts its rollout here);
+    ``stop_at_accuracy``: the campaign stops after this round at that accuracy (so none follows)."""
     clock = _Clock()
     runs = open_round_task(storage=storage, experiment=experiment, run_id=run_id, round_index=round_index,
                            params={"config_hash": config.config_hash()})
@@ -76,12 +90,18 @@ def rl_round(config: RoundConfig, storage: str, run_id: str, round_index: int, e
 
     # rollout + verify: each sample is scored as it finishes, until the trainable batch is full; the previous
     # round's carry-over (samples it stopped or had not verified) is resumed first
+    overlap = config.mode == "overlap"
     collecting = StageProgress("rollout", artifact_key(run_id, "round", round_index, "rollout"),
                                f"round {round_index}: trainable groups collected")
-    rollout = stage.run("rollout", rollout_task, ctx=ctx, prompts=config.prompts, rollout=config.rollout,
-                        verify=config.verify_resolved, filtering=config.filter, target_groups=config.target_groups,
-                        carry_from=carry_source(storage, run_id, round_index),
-                        progress=collecting)
+    if overlap and round_index >= 2:  # normally recorded already by the previous round, which ran it
+        rollout = rollout_stage(stage, config, overlapped_context(ctx), collecting).pending.result()
+        if "rollout" in stage.skipped:  # the previous round ran it: that is overlap, not a resume
+            stage.skipped.remove("rollout")
+    else:
+        rollout = stage.run("rollout", rollout_task, ctx=ctx, prompts=config.prompts, rollout=config.rollout,
+                            verify=config.verify_resolved, filtering=config.filter,
+                            target_groups=config.target_groups, carry_from=carry_source(storage, run_id, round_index),
+                            progress=collecting)
     collecting.done()
     clock.lap("rollout")
     # filter + store: advantages and drop decisions, committed as this round's trajectory version together
@@ -90,18 +110,34 @@ def rl_round(config: RoundConfig, storage: str, run_id: str, round_index: int, e
                              target_groups=config.target_groups, rollout_stats=rollout.stats,
                              carryover=rollout.carryover)
     clock.lap("filter")
-    trained = stage.run("train", train_task, ctx=ctx, trajectory_uri=trajectories.uri, config=config.train,
-                        temperature=config.rollout.temperature, rollout_dtype=config.rollout.dtype)
-    clock.lap("train")
-    published = stage.run("publish", publish_task, ctx=ctx, config=config.publish_resolved,
-                          checkpoint=trained.checkpoint, trajectory_version=trajectories.version,
-                          trajectory_uri=trajectories.uri,
-                          committed_at=trained.committed_at, engine=config.rollout.engine,
-                          engine_dtype=config.rollout.dtype, max_batch=config.rollout.max_batch)
-    clock.lap("publish")
-    evaluation = stage.run("evaluate", evaluate_task, ctx=ctx, config=config.evaluate, prompts=config.prompts,
-                           verify=config.verify_resolved, checkpoint=trained.checkpoint,
-                           model_version=published.model_version)
+    upcoming = None
+    if overlap and next_round:  # the next round's rollout generates while this round trains
+        upcoming = rollout_stage(Stages(next_ctx := next_context(ctx)), config, next_ctx,
+                                 StageProgress("rollout", artifact_key(run_id, "round", round_index + 1, "rollout"),
+                                               f"round {round_index + 1}: trainable groups collected"),
+                                 start=ctx.parent_checkpoint)
+    try:
+        trained = stage.run("train", train_task, ctx=ctx, trajectory_uri=trajectories.uri, config=config.train,
+                            temperature=config.rollout.temperature, rollout_dtype=config.rollout.dtype)
+        if upcoming is not None:
+            upcoming.next_policy.committed()
+        clock.lap("train")
+        published = stage.run("publish", publish_task, ctx=ctx, config=config.publish_resolved,
+                              checkpoint=trained.checkpoint, trajectory_version=trajectories.version,
+                              trajectory_uri=trajectories.uri,
+                              committed_at=trained.committed_at, engine=config.rollout.engine,
+                              engine_dtype=config.rollout.dtype, max_batch=config.rollout.max_batch,
+                              load_engine=not overlap)
+        clock.lap("publish")
+        evaluation = stage.run("evaluate", evaluate_task, ctx=ctx, config=config.evaluate, prompts=config.prompts,
+                               verify=config.verify_resolved, checkpoint=trained.checkpoint,
+                               model_version=published.model_version,
+                               engine_role="evaluate" if overlap else "rollout")
+    except BaseException:
+        if upcoming is not None:
+            upcoming.next_policy.cancel(f"round {round_index} failed before handing over its weights")
+            upcoming.pending.abandon()
+        raise
     if config.evaluate.approval == "required" and evaluation.stats.get("eval/gate_passed"):
         # one stage: a resumed round whose decision is recorded does not ask again
         decided = stage.run("promote", approve_and_promote, ctx=ctx, config=config.evaluate,
@@ -110,9 +146,63 @@ def rl_round(config: RoundConfig, storage: str, run_id: str, round_index: int, e
         evaluation = evaluation.model_copy(update={"stats": {**evaluation.stats, **decided.stats}})
     clock.lap("evaluate")
 
+    if upcoming is not None:
+        if stop_at_accuracy is not None and evaluation.stats["eval/accuracy"] >= stop_at_accuracy:
+            upcoming.next_policy.cancel(f"the campaign stops after round {round_index}")
+            if not isinstance(error := upcoming.pending.abandon(), (RolloutCancelled, type(None))):
+                raise error
+        else:
+            upcoming.pending.result()  # recorded under the next round
+        clock.lap("next_rollout_wait")
+
     stats = {**rollout.stats, **trajectories.stats, **trained.stats, **published.stats, **evaluation.stats,
              **clock.total(), "resume/stages_skipped": len(stage.skipped)}
     stage.run("record", record_round_task, ctx=ctx, stats=stats, model_version=published.model_version,
               trajectory_version=trajectories.version)
     return RoundResult(round=round_index, checkpoint=trained.checkpoint, model_version=published.model_version,
                        trajectory_version=trajectories.version, stats=stats, resumed_stages=stage.skipped)
+
+
+# -- overlap mode ---------------------------------------------------------------------------------
+
+
+class _Upcoming:
+    def __init__(self, pending, next_policy: NextPolicy) -> None:
+        self.pending, self.next_policy = pending, next_policy
+
+
+def overlapped_context(ctx: RoundContext) -> RoundContext:
+    """The context an overlapped rollout of round ``ctx.round`` runs under (its stage record's key)."""
+    return ctx.model_copy(update={"parent_model_version": OVERLAPPED_PARENT})
+
+
+def next_context(ctx: RoundContext) -> RoundContext:
+    """The next round's rollout context, as that round will build it, from this round's."""
+    checkpoint = StorageRoot.of(ctx.storage).checkpoint(ctx.run_id, ctx.round)  # where train commits
+    return overlapped_context(ctx).model_copy(
+        update={"round": ctx.round + 1, "parent_checkpoint": checkpoint, "parent_policy_version": ctx.round,
+                "mlflow_run_id": "(opened when its round starts)"}
+    )
+
+
+def rollout_stage(stage: Stages, config: RoundConfig, ctx: RoundContext, progress: StageProgress,
+                  start: str | None = None) -> _Upcoming:
+    """Round ``ctx.round``'s overlapped rollout, submitted: it starts from ``start``, the parent's parent
+    (the newest checkpoint committed while the parent trains), and switches to the parent after
+    ``config.update_after_samples`` finished samples. ``start`` None: the parent is committed already,
+    and its parent is read from its lineage (a resumed campaign runs the rollout with the same start and
+    switch point, and so to the same rows)."""
+    from storage.checkpoints import read_lineage
+
+    next_policy = NextPolicy(ctx.storage, ctx.parent_checkpoint, ctx.parent_policy_version,
+                             config.update_after_samples)
+    if start is None:
+        next_policy.committed()
+        start = read_lineage(StorageRoot.of(ctx.storage), ctx.parent_checkpoint)["parent_checkpoint"]
+    pending = stage.submit(
+        "rollout", rollout_task, ctx=ctx, prompts=config.prompts, rollout=config.rollout,
+        verify=config.verify_resolved, filtering=config.filter, target_groups=config.target_groups,
+        carry_from=carry_source(ctx.storage, ctx.run_id, ctx.round), progress=progress,
+        overlap=Overlapped(start, ctx.parent_policy_version - 1, next_policy),
+    )
+    return _Upcoming(pending, next_policy)

@@ -86,6 +86,11 @@ class Stages:
 
     def run(self, stage: str, task: Callable[..., Any], **kwargs: Any) -> Any:
         """``task(**kwargs)`` once per inputs; returns its typed result, or the recorded one."""
+        return self.submit(stage, task, _now=True, **kwargs).result()
+
+    def submit(self, stage: str, task: Callable[..., Any], _now: bool = False, **kwargs: Any) -> PendingStage:
+        """Like ``run``, but the task starts in the background (a Prefect task's ``submit``: its own
+        task run beside the flow's next stages); ``result()`` waits for it and writes its record."""
         fn = stage_function(task)
         _, returns = declared_inputs(fn)
         key = inputs_key(stage, fn, kwargs)
@@ -94,11 +99,39 @@ class Stages:
         if recorded is not None:
             self.skipped.append(stage)
             logger.info("round %d: %s already committed, skipped", self.ctx.round, stage)
-            return returns.model_validate(recorded)
+            return PendingStage(self, stage, key, lambda: None, recorded=returns.model_validate(recorded))
         logger.info("round %d: %s started", self.ctx.round, stage)
-        started = time.perf_counter()
-        result = task(**kwargs)
-        logger.info("round %d: %s done in %.1f s", self.ctx.round, stage, time.perf_counter() - started)
-        crash_point(stage, self.ctx.round)
-        write_stage(self.root, self.ctx.run_id, self.ctx.round, stage, key, result.model_dump(mode="json"))
-        return result
+        if _now or not hasattr(task, "submit"):
+            return PendingStage(self, stage, key, lambda: task(**kwargs))
+        future = task.submit(**kwargs)
+        return PendingStage(self, stage, key, future.result)
+
+
+class PendingStage:
+    """A stage started by ``Stages.submit``: ``result()`` waits for it, then records it (once)."""
+
+    def __init__(
+        self, stages: Stages, stage: str, key: str, wait: Callable[[], Any], recorded: StageResult | None = None
+    ) -> None:
+        self._stages, self._stage, self._key, self._wait = stages, stage, key, wait
+        self._started = time.perf_counter()
+        self._result = recorded
+
+    def result(self) -> Any:
+        if self._result is None:
+            stages, ctx = self._stages, self._stages.ctx
+            result = self._wait()
+            elapsed = time.perf_counter() - self._started
+            stage_logger().info("round %d: %s done in %.1f s", ctx.round, self._stage, elapsed)
+            crash_point(self._stage, ctx.round)
+            write_stage(stages.root, ctx.run_id, ctx.round, self._stage, self._key, result.model_dump(mode="json"))
+            self._result = result
+        return self._result
+
+    def abandon(self) -> BaseException | None:
+        """Wait for a stage whose result is no longer wanted (cancelled); its error, if any, is returned."""
+        try:
+            self.result()
+        except BaseException as exc:  # noqa: BLE001 -- handed back to the caller, who decides
+            return exc
+        return None

@@ -2,8 +2,8 @@
 
 The interface is what the rollout stage, the vLLM engine and Ray replicas share:
 
-    engine.generate(groups, should_stop) -> Iterator[GeneratedSample]   # in finish order, not start order
-    engine.load_weights(checkpoint_dir, policy_version)                 # in place, no restart
+    engine.generate(groups, should_stop, update) -> Iterator[GeneratedSample]   # in finish order
+    engine.load_weights(checkpoint_dir, policy_version)                         # in place, no restart
 
 ``EmbeddedEngine`` runs any Hugging Face causal LM with torch on the current process: a KV-cached
 decode loop that removes a sequence from the batch the moment it finishes (so the long tail does
@@ -19,6 +19,21 @@ resume the prompt + prefix is prefilled again (one parallel forward pass, far ch
 decode steps that produced the prefix), and the weights have usually changed by then anyway, which
 makes the old cache stale. Sampling noise is a function of (sample seed, token position, vocabulary
 index), so a resumed sample draws the same noise at each position it would have drawn uninterrupted.
+
+Weight updates in flight (overlap mode). ``update`` (a ``WeightUpdate``) is asked before every decode
+step whether the next policy is due, given how many samples this call has finished; when it is, the
+engine waits for the checkpoint (``take``), loads it between two decode steps and goes on: tokens
+sampled after that carry the new version, so a sample in flight spans both. What happens to the
+sequences in flight is ``update_kv``:
+
+    recompute  (default) their prompt + prefix is prefilled again under the new weights, in one
+               parallel pass, so every later token's logprob is exactly the new policy's
+    keep       their KV cache, computed by the old weights, is kept; later tokens are sampled from a
+               mixture the trainer cannot reproduce under either version (a measured mismatch,
+               benchmarks/weight_update.py)
+
+The point is a count of finished samples, not a time, so a round's rows do not depend on how fast
+the trainer was: the engine waits there for the weights if they are late.
 """
 
 from __future__ import annotations
@@ -26,7 +41,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from models.policy import cache_argument, cache_of
 
@@ -109,6 +124,25 @@ def unstarted(group: GroupRequest, sample_index: int, now: float) -> GeneratedSa
     return GeneratedSample(group.group_id, sample_index, group.prompt_token_ids, [], [], [], ABORT, now, now, 0.0)
 
 
+class WeightUpdate(Protocol):
+    """The next policy, handed to an engine while it generates (see the module doc)."""
+
+    def due(self, finished: int) -> bool:
+        """Polled before each decode step with the samples this call has finished: load it now?"""
+        ...
+
+    def take(self) -> tuple[str, int]:
+        """(local checkpoint directory, policy version); blocks until the checkpoint is committed."""
+        ...
+
+    def applied(self, pause_s: float) -> None:
+        """The engine served the new weights after pausing ``pause_s`` seconds (load + recompute)."""
+        ...
+
+
+UpdateKV = Literal["recompute", "keep"]
+
+
 @dataclass(frozen=True)
 class EngineInfo:
     name: str
@@ -183,9 +217,18 @@ class _Sequence:
 class EmbeddedEngine:
     """Torch sampling with a KV cache on this process. Default on CPU; works with any HF causal LM."""
 
-    def __init__(self, model, eos_token_id: int, pad_token_id: int, max_batch: int = 1024, policy_version: int = 0):
+    def __init__(
+        self,
+        model,
+        eos_token_id: int,
+        pad_token_id: int,
+        max_batch: int = 1024,
+        policy_version: int = 0,
+        update_kv: UpdateKV = "recompute",
+    ):
         import torch
 
+        self.update_kv = update_kv
         self.model = model.eval()
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
@@ -207,11 +250,15 @@ class EmbeddedEngine:
     # -- decoding ------------------------------------------------------------------------------
 
     def generate(
-        self, groups: Iterable[GroupRequest], should_stop: Callable[[], bool] | None = None
+        self,
+        groups: Iterable[GroupRequest],
+        should_stop: Callable[[], bool] | None = None,
+        update: WeightUpdate | None = None,
     ) -> Iterator[GeneratedSample]:
         """Groups are pulled from ``groups`` only when slots free up, so a caller can stop feeding
         (its iterator ends) the moment it has enough, and in-flight groups still finish; or stop
-        them too, through ``should_stop`` (polled before every decode step), and get them back partial."""
+        them too, through ``should_stop`` (polled before every decode step), and get them back partial.
+        ``update``: new weights to load between two decode steps once due (module doc)."""
         import torch
 
         feed = iter(groups)
@@ -227,6 +274,7 @@ class EmbeddedEngine:
             admitted, waiting[:] = waiting[:slots], waiting[slots:]
             return admitted
 
+        finished = 0
         with torch.inference_mode():
             batch = _Batch.empty()
             while True:
@@ -235,7 +283,12 @@ class EmbeddedEngine:
                     for s in batch.seqs + waiting:
                         yield s.sample(ABORT, now)
                     return
-                if batch.size:
+                recomputed = False
+                if update is not None and update.due(finished):
+                    directory, version = update.take()
+                    batch, recomputed = self._swap(batch, directory, version, update)
+                    update = None
+                if batch.size and not recomputed:
                     self._decode_step(batch)  # feed the tokens sampled last step; fresh logits for all rows
                 # Refill once half the slots are free: one prefill per wave amortises its cost.
                 if batch.size <= self.max_batch // 2:
@@ -244,7 +297,27 @@ class EmbeddedEngine:
                         batch = batch.merge(self._prefill(admitted))
                 if not batch.size:
                     return
-                yield from self._sample_and_retire(batch)
+                for sample in self._sample_and_retire(batch):
+                    finished += 1
+                    yield sample
+
+    def _swap(self, batch: _Batch, directory: str, version: int, update: WeightUpdate) -> tuple[_Batch, bool]:
+        """Load ``version`` between two decode steps; with ``recompute``, prefill the sequences in flight
+        again under it (their next-token logits come from that pass, so the caller skips a decode step)."""
+        from models.policy import load_state_dict
+
+        state = load_state_dict(directory)  # read before pausing: only the copy and the recompute block
+        paused = time.perf_counter()
+        self.model.load_state_dict(state)
+        self.policy_version = version
+        recompute = self.update_kv == "recompute" and batch.size > 0
+        if recompute:
+            now = time.time()
+            for s in batch.seqs:  # the segment so far counts as generation time; _prefill starts the next
+                s.gen_s += now - s.segment_at
+            batch = self._prefill(batch.seqs)
+        update.applied(time.perf_counter() - paused)
+        return batch, recompute
 
     def _prefill(self, seqs: list[_Sequence]) -> _Batch:
         """Prompt (+ the prefix of a resumed sample), left-padded: [B, width]; logits for the next token.

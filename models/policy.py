@@ -175,6 +175,27 @@ def token_logprobs(
     return scored(logits, batch.input_ids[:, 1:], temperature, top_p)
 
 
+def logprobs_by_version(
+    models: dict[int, Any], samples: list[Any], pad_token_id: int, temperature: float = 1.0
+) -> list[list[float]]:
+    """Each sampled token's logprob recomputed from scratch under the policy version that sampled it
+    (the sample's ``token_policy_versions``): what the recorded behaviour logprobs equal when an engine
+    kept nothing stale across a weight update. ``models``: the policy of every version the samples hold."""
+    import torch
+
+    batch = pack_sequences([list(s.prompt_token_ids) for s in samples], [s.token_ids for s in samples], pad_token_id)
+    start = batch.input_ids.shape[1] - max(len(s.token_ids) for s in samples) - 1  # predicts the first completion
+    out = [[float("nan")] * len(s.token_ids) for s in samples]
+    for version, model in models.items():
+        with torch.no_grad():
+            scores = token_logprobs(model, batch, temperature)
+        for row, s in enumerate(samples):
+            for i, v in enumerate(s.token_policy_versions):
+                if v == version:
+                    out[row][i] = float(scores[row, start + i])
+    return out
+
+
 @dataclass
 class SharedPromptBatch:
     """A minibatch whose samples share prompts (a GRPO group's samples all continue one), packed so

@@ -21,6 +21,11 @@ Choices that keep its rows interchangeable with the embedded engine's:
   position, so a resumed request is seeded with ``resume_seed(sample seed, prefix length)``: the
   continuation is a function of (sample, stop position), reproducible, though not the draw an
   uninterrupted request would have made.
+- weight updates in flight (overlap mode, ``update``): with ``update_kv='recompute'`` the requests in
+  flight are aborted, the weights reloaded, and each is added again as prompt + prefix (the partial
+  rollout path above), so later tokens are the new policy's exactly; with ``'keep'`` the weights are
+  reloaded between two steps and running requests keep their KV cache (vLLM labels each output token
+  with the weight version that produced it).
 
 ``vllm`` is imported inside the engine, never at module import, so nothing else pays for it.
 """
@@ -34,7 +39,16 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from models.engine import ABORT, EngineInfo, GeneratedSample, GroupRequest, sample_seed, unstarted
+from models.engine import (
+    ABORT,
+    EngineInfo,
+    GeneratedSample,
+    GroupRequest,
+    UpdateKV,
+    WeightUpdate,
+    sample_seed,
+    unstarted,
+)
 
 FINISH_REASONS = ("stop", "length")  # anything else vLLM reports (abort, error) is recorded as 'abort'
 
@@ -87,7 +101,7 @@ class VLLMEngine:
     """vLLM offline engine over a local Hugging Face checkpoint directory."""
 
     def __init__(self, checkpoint_dir: str, dtype: str = "float32", policy_version: int = 0, max_batch: int = 1024,
-                 engine_args: dict[str, Any] | None = None):
+                 engine_args: dict[str, Any] | None = None, update_kv: UpdateKV = "recompute"):
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM logs every step at INFO
         import vllm
         from vllm.platforms import current_platform
@@ -103,6 +117,7 @@ class VLLMEngine:
         }
         self.llm = vllm.LLM(model=checkpoint_dir, **args)
         self.max_batch = max_batch
+        self.update_kv = update_kv
         self.policy_version = policy_version
         self.llm.llm_engine.set_weight_version(str(policy_version))
         served = str(self.llm.model_config.dtype).removeprefix("torch.")
@@ -112,7 +127,10 @@ class VLLMEngine:
     # -- the engine interface ------------------------------------------------------------------
 
     def generate(
-        self, groups: Iterable[GroupRequest], should_stop: Callable[[], bool] | None = None
+        self,
+        groups: Iterable[GroupRequest],
+        should_stop: Callable[[], bool] | None = None,
+        update: WeightUpdate | None = None,
     ) -> Iterator[GeneratedSample]:
         """Groups are pulled only while fewer than ``max_batch`` samples are in flight, so a caller
         that stops feeding gets no more work started. Once ``should_stop()`` is True the requests in
@@ -122,6 +140,7 @@ class VLLMEngine:
         feed = iter(groups)
         in_flight: dict[str, _InFlight] = {}
         exhausted = False
+        finished = 0
         try:
             while True:
                 if should_stop is not None and should_stop():
@@ -131,6 +150,10 @@ class VLLMEngine:
                     for flight in stopped.values():
                         yield self._partial(flight, now)
                     return
+                if update is not None and update.due(finished):
+                    directory, version = update.take()
+                    in_flight = self._swap(engine, in_flight, directory, version, update)
+                    update = None
                 while not exhausted and len(in_flight) < self.max_batch:
                     group = next(feed, None)
                     if group is None:
@@ -146,6 +169,7 @@ class VLLMEngine:
                     flight.last = out
                     if out.finished:
                         del in_flight[out.request_id]
+                        finished += 1
                         yield self._sample(out, flight)
         finally:
             if in_flight:
@@ -160,6 +184,27 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
         self.policy_version = policy_version
         return time.perf_counter() - paused
+
+    def _swap(self, engine, in_flight: dict[str, _InFlight], directory: str, version: int,
+              update: WeightUpdate) -> dict[str, _InFlight]:
+        """Load ``version`` between two steps; with ``recompute``, add the requests in flight again as
+        prompt + prefix under it (their old KV blocks are freed with the abort)."""
+        paused = time.perf_counter()
+        if self.update_kv != "recompute" or not in_flight:
+            self.load_weights(directory, version)
+            update.applied(time.perf_counter() - paused)
+            return in_flight
+        engine.abort_request(list(in_flight))
+        now = time.time()
+        partials = [self._partial(flight, now) for flight in in_flight.values()]
+        self.load_weights(directory, version)  # nothing runs now, so the prefix cache is really reset
+        resumed: dict[str, _InFlight] = {}
+        for p, flight in zip(partials, in_flight.values()):
+            group = flight.group
+            self._admit(engine, GroupRequest(group.group_id, group.prompt_token_ids, group.n, group.sampling, (p,)),
+                        resumed)
+        update.applied(time.perf_counter() - paused)
+        return resumed
 
     def close(self) -> None:
         """Stop the engine-core process now rather than at interpreter exit (frees its memory)."""

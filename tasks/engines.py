@@ -46,7 +46,12 @@ class _Serving:
 
 
 _lock = threading.Lock()
-_serving: dict[tuple[str, str, str], _Serving] = {}
+_serving: dict[tuple[str, str, str, str], _Serving] = {}
+
+ROLES = ("rollout", "evaluate")
+"""A live engine per role: in sync mode evaluation shares the rollout engine (one engine per campaign);
+in overlap mode the next round's rollout holds that engine while this round evaluates, so evaluation
+has its own."""
 
 _SHAPE_FIELDS = (
     "model_type",
@@ -82,20 +87,24 @@ def load_tokenizer(local_dir: str) -> Any:
     return tokenizer
 
 
-def build_engine(kind: str, local_dir: str, dtype: str, policy_version: int, max_batch: int = 1024) -> Any:
+def build_engine(
+    kind: str, local_dir: str, dtype: str, policy_version: int, max_batch: int = 1024, update_kv: str = "recompute"
+) -> Any:
     """One engine in this process. Module-level and picklable by reference: Ray replicas call it."""
     if kind == "embedded":
         from models.engine import EmbeddedEngine
         from models.policy import load_policy
 
         model, tokenizer = load_policy(local_dir, dtype=dtype)
-        return EmbeddedEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, max_batch, policy_version)
+        return EmbeddedEngine(
+            model, tokenizer.eos_token_id, tokenizer.pad_token_id, max_batch, policy_version, update_kv  # type: ignore[arg-type]
+        )
     if kind == "vllm":
         try:
             from models.vllm_engine import VLLMEngine
         except ImportError as exc:  # pragma: no cover -- only without vllm installed
             raise ImportError(f"{exc}; engine 'vllm' needs vLLM: see README (Installing vLLM)") from None
-        return VLLMEngine(local_dir, dtype, policy_version, max_batch)
+        return VLLMEngine(local_dir, dtype, policy_version, max_batch, update_kv=update_kv)  # type: ignore[arg-type]
     raise ValueError(f"unknown engine {kind!r}; use one of: {', '.join(ENGINES)}")
 
 
@@ -106,13 +115,14 @@ def make_engine(
     policy_version: int,
     max_batch: int = 1024,
     placement: Placement = Placement(),
+    update_kv: str = "recompute",
 ) -> tuple[Any, Any]:
     """A fresh engine (or replica set) over a local checkpoint directory, and its tokenizer."""
     if kind not in ENGINES:
         raise ValueError(f"unknown engine {kind!r}; use one of: {', '.join(ENGINES)}")
     tokenizer = load_tokenizer(local_dir)
     if not placement.uses_ray:
-        return build_engine(kind, local_dir, dtype, policy_version, max_batch), tokenizer
+        return build_engine(kind, local_dir, dtype, policy_version, max_batch, update_kv), tokenizer
     return start_replicas(kind, local_dir, dtype, policy_version, max_batch, placement), tokenizer
 
 
@@ -159,15 +169,19 @@ def serving_engine(
     policy_version: int,
     max_batch: int = 1024,
     placement: Placement | None = None,
+    role: str = "rollout",
+    update_kv: str = "recompute",
 ) -> tuple[Any, Any, float]:
-    """The live engine for (kind, dtype), serving ``policy_version``; returns (engine, tokenizer, pause_s).
+    """The live engine for (role, kind, dtype), serving ``policy_version``; returns (engine, tokenizer, pause_s).
 
     A new engine is built the first time; afterwards new weights are loaded in place and the seconds
     the engine could not serve are returned (0 when it already served this version). ``placement``
     None means "wherever the live engine runs" (publish and evaluate); a different explicit placement
     replaces the live engine.
     """
-    key = (kind, dtype, model_shape(local_dir))  # another architecture needs its own engine, not a reload
+    if role not in ROLES:
+        raise ValueError(f"unknown engine role {role!r}; use one of: {', '.join(ROLES)}")
+    key = (role, kind, dtype, model_shape(local_dir))  # another architecture needs its own engine, not a reload
     with _lock:
         entry = _serving.get(key)
         if entry is not None and placement is not None and entry.placement != placement:
@@ -175,11 +189,13 @@ def serving_engine(
             entry = None
         if entry is None:
             where = placement or Placement()
-            engine, tokenizer = make_engine(kind, local_dir, dtype, policy_version, max_batch, where)
+            engine, tokenizer = make_engine(kind, local_dir, dtype, policy_version, max_batch, where, update_kv)
             _serving[key] = _Serving(engine, tokenizer, local_dir, where)
             return engine, tokenizer, 0.0
         if hasattr(entry.engine, "max_batch"):
             entry.engine.max_batch = max_batch
+        if hasattr(entry.engine, "update_kv"):
+            entry.engine.update_kv = update_kv
         if entry.engine.policy_version == policy_version and entry.local_dir == local_dir:
             return entry.engine, entry.tokenizer, 0.0
         pause = entry.engine.load_weights(local_dir, policy_version)
@@ -213,7 +229,7 @@ def released_engines() -> Iterator[None]:
 def serving_engines() -> list[tuple[str, str]]:
     """(kind, dtype) of each live serving engine of this process."""
     with _lock:
-        return [(kind, dtype) for kind, dtype, _ in _serving]
+        return [(kind, dtype) for _, kind, dtype, _ in _serving]
 
 
 def drop_serving_engines() -> None:

@@ -15,7 +15,7 @@ Replays and ``rlrounds eval`` never move the alias.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
@@ -23,7 +23,7 @@ from models.engine import greedy_completions
 from tasks.config_base import Config, Dtype
 from tasks.context import RoundContext
 from tasks.prompts import PromptsConfig
-from tasks.results import Evaluation, Stats, VersionEvaluation
+from tasks.results import Evaluation, NotInput, Stats, VersionEvaluation
 from tasks.verifiers.config import VerifyConfig
 from tasks.verifiers.outcome import Outcome, Verifier
 from tasks.verifiers.pool import run_verifier
@@ -85,11 +85,13 @@ def evaluate_checkpoint(
     config: EvaluateConfig,
     train_dtype: str = "float32",
     policy_version: int | None = None,
+    role: str = "rollout",
 ) -> Stats:
     """Score a local checkpoint on the serving engine/dtype and, if different, the training precision.
 
     With ``policy_version`` the live serving engine of that kind and dtype is used (weights loaded in
     place if it serves another checkpoint): a vLLM engine is started once per campaign, not per round.
+    ``role``: which live engine (tasks/engines.py; overlap mode evaluates on its own).
     Without it, a fresh engine is made and released after scoring.
     """
     from tasks.engines import close_engine, make_engine, serving_engine
@@ -98,7 +100,9 @@ def evaluate_checkpoint(
     if policy_version is None:
         engine, tokenizer = make_engine(config.serving_engine, local_dir, config.serving_dtype, policy_version=0)
     else:
-        engine, tokenizer, _ = serving_engine(config.serving_engine, local_dir, config.serving_dtype, policy_version)
+        engine, tokenizer, _ = serving_engine(
+            config.serving_engine, local_dir, config.serving_dtype, policy_version, role=role
+        )
     try:
         serving = accuracy(engine, tokenizer, prompts, verifier, config.max_tokens)
     finally:
@@ -167,6 +171,7 @@ def run_evaluate(
     checkpoint: str,
     model_version: str | None,
     train_dtype: str = "float32",
+    engine_role: Annotated[str, NotInput("which live engine scores; greedy scores are the same on either")] = "rollout",
 ) -> Evaluation:
     """Score the checkpoint, record it on the round's run and the model version, apply the champion gate.
 
@@ -189,7 +194,9 @@ def run_evaluate(
             return Evaluation(stats=recorded_evaluation(recorded))
     local = checkpoints.local_copy(root, checkpoint)
     held_out = evaluation_prompts(prompts, config.source)
-    result = evaluate_checkpoint(local, held_out, verify, config, train_dtype, policy_version=ctx.round)
+    result = evaluate_checkpoint(
+        local, held_out, verify, config, train_dtype, policy_version=ctx.round, role=engine_role
+    )
     promoted = passed = False
     if model_version:
         name, version = parse_model_version(model_version)

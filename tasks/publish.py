@@ -123,9 +123,13 @@ def run_publish(
     engine: str,
     engine_dtype: str,
     max_batch: int,
+    load_engine: Annotated[
+        bool, NotInput("overlap mode: the next round's rollout loads the weights itself, mid-generation")
+    ] = True,
 ) -> Published:
     """Register the checkpoint with its lineage tags, then load it into the live rollout engine
-    (``engine`` at ``engine_dtype``, the round's rollout engine)."""
+    (``engine`` at ``engine_dtype``, the round's rollout engine). ``load_engine`` False (overlap mode):
+    register only; the running rollout takes the weights (its ``rollout/weight_update_*`` figures)."""
     import time
 
     from storage import checkpoints
@@ -155,14 +159,9 @@ def run_publish(
     name = config.registered_name
     version = tracker.register(name, checkpoint, ctx.mlflow_run_id, tags)
     registered = time.time()
-    local = checkpoints.local_copy(root, checkpoint)
-    _, _, pause = serving_engine(engine, local, engine_dtype, ctx.round, max_batch)
-    serving = time.time()
-    return Published(
-        model_version=f"{name}/{version}",
-        stats={
-            "publish/latency_s": serving - committed_at,
-            "publish/register_s": registered - start,
-            "publish/engine_pause_s": pause,
-        },
-    )
+    stats = {"publish/register_s": registered - start}
+    if load_engine:
+        local = checkpoints.local_copy(root, checkpoint)
+        _, _, stats["publish/engine_pause_s"] = serving_engine(engine, local, engine_dtype, ctx.round, max_batch)
+    stats["publish/latency_s"] = time.time() - committed_at
+    return Published(model_version=f"{name}/{version}", stats=stats)

@@ -54,9 +54,12 @@ def _fmt(stats: dict, key: str, spec: str = ".3f", unit: str = "") -> str:
 def straggler_wait(stats: dict[str, Any]) -> dict[str, float]:
     """The wait the round paid between holding its trainable batch and starting to train (stopping or
     finishing stragglers, verdicts, staging, filter and store, loading the trainer). Absent when the
-    round resumed past either moment (the other process's clock is not this one's)."""
+    round resumed past either moment (the other process's clock is not this one's), and in overlap mode,
+    where the batch is collected while the previous round trains (its rollout/weight_update_* figures
+    say what overlapping cost instead)."""
     ready, started = stats.get("rollout/batch_ready_at"), stats.get("train/started_at")
-    if ready is None or started is None or stats.get("resume/stages_skipped"):
+    overlapped = "rollout/weight_update_after_samples" in stats
+    if ready is None or started is None or stats.get("resume/stages_skipped") or overlapped:
         return {}
     return {"rollout/straggler_wait_s": max(0.0, started - ready)}
 
@@ -144,6 +147,12 @@ def report_sections(s: dict) -> list[tuple[str, list[tuple[str, str]]]]:
         ("weight publication", [
             ("publish latency", _fmt(s, "publish/latency_s", ".3f", " s")),
             ("engine pause", _fmt(s, "publish/engine_pause_s", ".4f", " s")),
+            ("overlap: parent loaded mid-rollout after samples (applied)",
+             f"{_fmt(s, 'rollout/weight_update_after_samples', '.0f')} "
+             f"({_fmt(s, 'rollout/weight_update_applied', '.0f')})"),
+            ("overlap: engine wait for the trainer / pause",
+             f"{_fmt(s, 'rollout/weight_update_wait_s', '.3f', ' s')} / "
+             f"{_fmt(s, 'rollout/weight_update_pause_s', '.4f', ' s')}"),
         ]),
         ("evaluation", [
             (f"accuracy at serving precision ({s.get('eval/engine', '?')}, {s.get('eval/dtype', '?')})",

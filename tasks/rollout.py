@@ -30,6 +30,7 @@ from tasks.config_base import Config, Dtype
 from tasks.context import RoundContext
 from tasks.curriculum import admitted, solved_prompts
 from tasks.filter import FilterConfig, group_is_trainable
+from tasks.overlap import NextPolicy, Overlapped, RolloutCancelled
 from tasks.prompts import PromptError, PromptsConfig, prompt_stream
 from tasks.ready_pool import PARTIAL, Group, Harvest, PoolLimits, ReadyPool
 from tasks.results import NotInput, Staged
@@ -76,6 +77,11 @@ class RolloutConfig(Config):
     samples still waiting on the environment) over to the next round, which resumes them first under
     its newer policy; every token keeps the policy version that sampled it. Off: samples in flight run
     to the end and their groups are stored as 'batch_full' (a synchronous barrier on the long tail)."""
+    update_kv: Literal["recompute", "keep"] = "recompute"
+    """round.mode overlap: what the sequences in flight do when new weights arrive mid-generation.
+    'recompute': their prompt + prefix is prefilled again under the new weights, so every token's
+    behaviour logprob is exactly its version's; 'keep': their KV cache from the old weights is kept
+    (no recompute pass; the tokens after the update come from a mixture neither version reproduces)."""
     verdict_wait_s: float = Field(0.1, ge=0.0)
     """How long the ready pool may wait for verdicts at a decision (is the batch full?) before it treats
     the environment as slow and stops waiting for it for the rest of the round. An environment that
@@ -107,10 +113,12 @@ def generate_and_verify(
     carried_rows: list[dict] | None = None,
     policy_version: int | None = None,
     solved: frozenset[str] = frozenset(),
+    next_policy: NextPolicy | None = None,
 ) -> RolloutResult:
     """One round's collection. ``carried_rows``: the previous round's carry-over, resumed first.
-    ``policy_version``: the policy being sampled (filter.max_staleness is judged against it; None: not).
-    ``solved``: prompt ids the curriculum draws with probability ``prompts.solved_weight``.
+    ``policy_version``: the policy being trained on these rows (filter.max_staleness is judged against
+    it; None: not). ``solved``: prompt ids the curriculum draws with probability ``prompts.solved_weight``.
+    ``next_policy``: overlap mode, the weights the engine switches to mid-way (tasks/overlap.py).
 
     ``max_context``: the model's positions; a prompt that cannot fit with rollout.max_tokens is an
     input error, raised before it is generated (the engine would fail deep inside, or silently wrap)."""
@@ -187,11 +195,19 @@ def generate_and_verify(
         else:
             seen = 0
             requests = pool.feed(fresh(), int(target_groups * rollout.max_prompts_factor))
-            for sample in engine.generate(requests, pool.should_stop):
+            if next_policy is None:
+                generating = engine.generate(requests, pool.should_stop)
+            else:  # overlap: new weights mid-way; a cancelled hand-over stops the engine at once
+                generating = engine.generate(
+                    requests, lambda: next_policy.cancelled or pool.should_stop(), next_policy
+                )
+            for sample in generating:
                 pool.on_sample(sample)
                 seen += 1
                 if progress and seen % 256 == 0:  # the callback throttles what it shows
                     progress(f"rollout: {seen} samples, {pool.trainable}/{target_groups} trainable groups")
+        if next_policy is not None and next_policy.cancelled:
+            raise RolloutCancelled(f"round {round_index}'s rollout was cancelled: {next_policy.cancel_reason}")
         harvest = pool.finish()
     finally:
         if harvest is not None and harvest.abandoned:
@@ -211,6 +227,8 @@ def generate_and_verify(
     rows = [sample_row(g, slot, context) for g in harvest.ready for slot in g.slots]
     carry_rows = [sample_row(g, slot, context) for g in harvest.carry for slot in g.slots]
     stats = {**rollout_stats(rows, carry_rows, harvest, carried, target_groups, start, end), **verifiers.stats()}
+    if next_policy is not None:
+        stats.update(next_policy.stats())
     stats["rollout/curriculum_solved_prompts"] = len(solved)
     stats["rollout/curriculum_skipped_prompts"] = skipped
     return RolloutResult(rows=rows, carry_rows=carry_rows, stats=stats)
@@ -334,12 +352,17 @@ def run_rollout(
     target_groups: int,
     carry_from: str | None = None,
     progress: Annotated[Callable[[str], None] | None, NotInput("a progress callback")] = None,
+    overlap: Annotated[
+        Overlapped | None, NotInput("overlap mode's hand-over: fixed by the round and round.mode, which the key holds")
+    ] = None,
 ) -> Staged:
     """Generate and verify this round's samples from the parent checkpoint; stage them as Parquet.
 
     ``carry_from``: the committed trajectory version (URI) whose carry-over this round resumes first,
     the previous round's (``carry_source``); None resumes nothing. The round's own unfinished samples
-    are staged beside its rows (``Staged.carryover``) for filter to commit with its version."""
+    are staged beside its rows (``Staged.carryover``) for filter to commit with its version.
+    ``overlap``: start from ``overlap.start_checkpoint`` instead, while the parent is still training,
+    and switch to the parent mid-way (tasks/overlap.py)."""
     from models.policy import context_length
     from storage import checkpoints
     from storage.paths import StorageRoot
@@ -361,14 +384,18 @@ def run_rollout(
     solved = frozenset()
     if prompts.solved_weight < 1:
         solved = solved_prompts(root, ctx.run_id, ctx.round, prompts.history_rounds)
-    local = checkpoints.local_copy(root, ctx.parent_checkpoint)
+    start, start_version = ctx.parent_checkpoint, ctx.parent_policy_version
+    if overlap is not None:
+        start, start_version = overlap.start_checkpoint, overlap.start_version
+    local = checkpoints.local_copy(root, start)
     engine, tokenizer, _ = serving_engine(
         rollout.engine,
         local,
         rollout.dtype,
-        ctx.parent_policy_version,
+        start_version,
         rollout.max_batch,
         Placement(rollout.replicas, rollout.ray_address),
+        update_kv=rollout.update_kv,
     )
     result = generate_and_verify(
         engine,
@@ -386,6 +413,7 @@ def run_rollout(
         carried,
         ctx.parent_policy_version,
         solved,
+        overlap.next_policy if overlap is not None else None,
     )
     check_infra_failure_rate(result.stats, verify.max_infra_failure_rate, ctx.round)  # before anything is staged
     staging = root.rollout_staging_file(ctx.run_id, ctx.round)

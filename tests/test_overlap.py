@@ -1,0 +1,170 @@
+"""Overlap mode: weights updated between two decode steps, every token labelled with the version that
+sampled it and a behaviour logprob that version reproduces; and an overlapped campaign, killed while the
+next round's rollout runs beside training, resumes to the uninterrupted result."""
+
+import os
+
+import pytest
+import torch
+
+from models.engine import EmbeddedEngine, GroupRequest, SamplingParams
+from models.policy import load_policy, logprobs_by_version, save_policy
+from tests.test_resume import TIMING_COLUMNS, Campaign, _same_tree, _tensors, weak_base  # noqa: F401 -- a fixture
+
+PROMPTS = ["1+2=", "34+56=", "7+89=", "99+99=", "5+5=", "12+3="]
+
+
+class UpdateAtStep:
+    """A hand-over due at the engine's ``step``-th decode step (the engine's view of it is all that matters)."""
+
+    def __init__(self, directory: str, version: int, step: int) -> None:
+        self.directory, self.version, self.step = directory, version, step
+        self.polls, self.pause_s = 0, None
+
+    def due(self, finished: int) -> bool:
+        self.polls += 1
+        return self.polls >= self.step
+
+    def take(self) -> tuple[str, int]:
+        return self.directory, self.version
+
+    def applied(self, pause_s: float) -> None:
+        self.pause_s = pause_s
+
+
+@pytest.fixture(scope="module")
+def two_versions(tiny_policy_dir, tmp_path_factory):
+    """Version 1 (the tiny policy) and version 2 (the same, every weight moved by about 5%)."""
+    newer = str(tmp_path_factory.mktemp("version-2"))
+    model, tok = load_policy(tiny_policy_dir)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * p.std() * torch.randn_like(p))
+    save_policy(model, tok, newer)
+    return tiny_policy_dir, newer
+
+
+def _generate(two_versions, update_kv: str, step: int = 4):
+    older, newer = two_versions
+    model, tok = load_policy(older)
+    engine = EmbeddedEngine(model, tok.eos_token_id, tok.pad_token_id, max_batch=8, policy_version=1,
+                            update_kv=update_kv)
+    update = UpdateAtStep(newer, 2, step)
+    params = SamplingParams(temperature=1.0, max_tokens=12, seed=3)
+    groups = [GroupRequest(f"g{i}", tuple(tok(p)["input_ids"]), 2, params) for i, p in enumerate(PROMPTS)]
+    samples = list(engine.generate(groups, None, update))
+    models = {1: load_policy(older)[0], 2: load_policy(newer)[0]}
+    return samples, logprobs_by_version(models, samples, tok.pad_token_id), update
+
+
+def test_a_sample_updated_mid_generation_records_both_versions_and_their_logprobs(two_versions):
+    samples, recomputed, update = _generate(two_versions, "recompute")
+    assert update.pause_s is not None and len(samples) == 2 * len(PROMPTS)
+    spanning = [s for s in samples if set(s.token_policy_versions) == {1, 2}]
+    assert spanning, "no sample was in flight at the update"
+    assert any(s.token_policy_versions == [2] * len(s.token_ids) for s in samples)  # admitted after it
+    for s, expected in zip(samples, recomputed):
+        switch = s.token_policy_versions.index(2) if 2 in s.token_policy_versions else len(s.token_ids)
+        assert s.token_policy_versions == [1] * switch + [2] * (len(s.token_ids) - switch)  # one switch, in order
+        # every token's behaviour logprob is what its own version gives, recomputed from scratch
+        assert torch.allclose(torch.tensor(s.logprobs), torch.tensor(expected), atol=1e-4), s.group_id
+
+
+def test_keeping_the_old_cache_is_a_measurable_mismatch(two_versions):
+    """'keep' samples the tokens after an update from new weights over a cache of old ones: neither
+    version reproduces them. The same draw with 'recompute' is exact (above)."""
+    samples, recomputed, _ = _generate(two_versions, "keep")
+    before, after = [], []
+    for s, expected in zip(samples, recomputed):
+        versions = s.token_policy_versions
+        if set(versions) != {1, 2}:
+            continue
+        for i, (got, want) in enumerate(zip(s.logprobs, expected)):
+            (after if versions[i] == 2 else before).append(abs(got - want))
+    assert before and after
+    assert max(before) < 1e-4  # before the update nothing differs
+    assert sum(after) / len(after) > 1e-3  # after it, the stale cache shows
+
+
+# -- a killed overlapped campaign ----------------------------------------------------------------------
+
+OVERLAP_CONFIG = {
+    "rounds": 3,
+    "experiment": "overlap",
+    "round": {
+        "mode": "overlap",
+        "overlap_update_after": 0.25,
+        "train": {"groups_per_step": 4, "steps_per_round": 2},
+        "publish": {"model_name": "overlap-policy"},
+        "seed": 7,
+    },
+}
+# train:1 and train:2 die while the next round's rollout runs beside training; rollout:2 dies after the
+# overlapped rollout staged its rows, before its record.
+KILL_POINTS = ["train:1", "rollout:2", "train:2"]
+
+
+def _rows(storage, k):
+    from storage.paths import StorageRoot
+    from storage.trajectories import committed_round_version, read_table
+
+    manifest = committed_round_version(StorageRoot.of(storage), "overlap", k)
+    return [{c: v for c, v in r.items() if c not in TIMING_COLUMNS} for r in read_table(StorageRoot.of(storage),
+                                                                                       manifest).to_pylist()]
+
+
+def _task_runs(flow_run_name: str) -> dict[str, list[tuple]]:
+    """(start, end) of the task runs in the first flow run of that name, by task name, in start order."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterName
+
+    with get_client(sync_client=True) as client:
+        flow_runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[flow_run_name])))
+        first = min(flow_runs, key=lambda r: r.start_time)
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[first.id])))
+    spans: dict[str, list[tuple]] = {}
+    for r in sorted(runs, key=lambda r: r.start_time):
+        spans.setdefault(r.name.rsplit("-", 1)[0], []).append((r.start_time, r.end_time))
+    return spans
+
+
+@pytest.mark.slow
+def test_a_killed_overlapped_campaign_resumes_to_the_uninterrupted_result(prefect_harness, weak_base, tmp_path):  # noqa: F811
+    import yaml
+
+    from storage.paths import StorageRoot
+
+    config_path = tmp_path / "campaign.yaml"
+    config_path.write_text(
+        yaml.safe_dump({**OVERLAP_CONFIG, "round": {**OVERLAP_CONFIG["round"], "policy": {"base_model": weak_base}}})
+    )
+    reference = Campaign(str(tmp_path / "reference"))
+    crashed = Campaign(str(tmp_path / "crashed"))
+    out, _ = reference.run("--config", str(config_path), "--run-id", "overlap")
+    assert "round 3:" in out
+
+    # The Prefect flow run of round 1 shows round 2's rollout as its own task run, running beside train.
+    tasks = _task_runs("overlap-round-1")
+    assert {"rollout", "filter+store", "train", "publish", "evaluate"} <= set(tasks)
+    assert len(tasks["rollout"]) == 2  # round 1's own, then round 2's
+    rollout_2, (train_1,) = tasks["rollout"][1], tasks["train"]
+    assert rollout_2[0] < train_1[1] and train_1[0] < rollout_2[1]  # the two intervals intersect
+
+    crashed.run("--config", str(config_path), "--run-id", "overlap", crash_after=KILL_POINTS[0], expect_crash=True)
+    for point in KILL_POINTS[1:]:
+        crashed.run("--resume", "overlap", crash_after=point, expect_crash=True)
+    crashed.run("--resume", "overlap")
+
+    spanning = 0
+    for k in (1, 2, 3):
+        ref_rows, rows = _rows(reference.storage, k), _rows(crashed.storage, k)
+        assert rows == ref_rows and rows, f"round {k} rows differ"
+        versions = [set(r["token_policy_versions"]) for r in rows]
+        # the parent, or before the update its parent; a sample carried over from the last round may be older
+        assert all(v <= set(range(max(0, k - 3), k)) for v in versions)
+        spanning += sum(len(v) == 2 for v in versions)
+        ckpt, ref_ckpt = (StorageRoot.of(s).checkpoint("overlap", k) for s in (crashed.storage, reference.storage))
+        assert _same_tree(_tensors(ckpt), _tensors(ref_ckpt)), f"round {k} checkpoint differs"
+    assert spanning > 0, "no sample spanned a weight update"
+    assert os.path.exists(StorageRoot.of(crashed.storage).stage_record("overlap", 3, "rollout"))

@@ -187,6 +187,16 @@ def campaign(storage: str, preset: str, mode: str, rounds: int, seed: int, targe
     }
 
 
+def print_comparison(what: str, speedup: float | None, accuracy_difference: float, extra: str = "") -> None:
+    """One campaign comparison: the wall-time ratio to target, and the second mode's final accuracy less the first's."""
+    print(
+        f"  wall time to target, {what}: "
+        + ("n/a (a mode did not reach it)" if speedup is None else f"{speedup:.2f}x")
+        + f" (goal >= 1.3x); final accuracy difference {100 * accuracy_difference:+.1f} points (goal >= -2)"
+        + extra
+    )
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     return None if not a or not b else a / b
 
@@ -285,20 +295,17 @@ def main() -> None:
         figures["ratios"]["campaign_overlap_final_accuracy_difference"] = (
             camp["overlap"]["final_accuracy"] - camp["partial_rollouts"]["final_accuracy"]
         )
-        r = figures["ratios"]["campaign_sync_barrier_over_partial_rollouts"]
-        print(
-            "  wall time to target, sync_barrier / partial_rollouts: "
-            + ("n/a (a mode did not reach it)" if r is None else f"{r:.2f}x")
-            + " (goal >= 1.3x); final accuracy, partial_rollouts - sync_barrier: "
-            f"{100 * figures['ratios']['campaign_final_accuracy_difference']:+.1f} points (goal >= -2)"
+        ratios = figures["ratios"]
+        print_comparison(
+            "sync_barrier / partial_rollouts",
+            ratios["campaign_sync_barrier_over_partial_rollouts"],
+            ratios["campaign_final_accuracy_difference"],
         )
-        r = figures["ratios"]["campaign_partial_rollouts_over_overlap"]
-        print(
-            "  wall time to target, sync (partial rollouts) / overlap: "
-            + ("n/a (a mode did not reach it)" if r is None else f"{r:.2f}x")
-            + " (goal >= 1.3x); final accuracy, overlap - sync: "
-            f"{100 * figures['ratios']['campaign_overlap_final_accuracy_difference']:+.1f} points (goal >= -2); "
-            f"trainer idle in overlap {camp['overlap']['trainer_idle_fraction']:.0%} of the rounds (goal < 10%)"
+        print_comparison(
+            "sync (partial rollouts) / overlap",
+            ratios["campaign_partial_rollouts_over_overlap"],
+            ratios["campaign_overlap_final_accuracy_difference"],
+            f"; trainer idle in overlap {camp['overlap']['trainer_idle_fraction']:.0%} of the rounds (goal < 10%)",
         )
     if args.json:
         with open(args.json, "w") as f:

@@ -9,7 +9,14 @@ import torch
 
 from models.engine import EmbeddedEngine, GroupRequest, SamplingParams
 from models.policy import load_policy, logprobs_by_version, save_policy
-from tests.test_resume import TIMING_COLUMNS, Campaign, _same_tree, _tensors, weak_base  # noqa: F401 -- a fixture
+from tests.test_resume import (  # noqa: F401 -- weak_base is a fixture
+    TIMING_COLUMNS,
+    Campaign,
+    _same_tree,
+    _tensors,
+    config_file,
+    weak_base,
+)
 
 PROMPTS = ["1+2=", "34+56=", "7+89=", "99+99=", "5+5=", "12+3="]
 
@@ -87,6 +94,82 @@ def test_keeping_the_old_cache_is_a_measurable_mismatch(two_versions):
     assert sum(after) / len(after) > 1e-3  # after it, the stale cache shows
 
 
+# -- the hand-over and its config ----------------------------------------------------------------------
+
+
+def test_the_hand_over_waits_for_the_checkpoint_and_a_cancelled_one_stops_the_rollout(tmp_path):
+    import threading
+    import time
+
+    from tasks.overlap import NextPolicy, RolloutCancelled
+
+    handed = NextPolicy(str(tmp_path), str(tmp_path / "ckpt"), 4, after_samples=10)
+    assert not handed.due(9) and handed.due(10)
+    threading.Timer(0.2, handed.committed).start()
+    directory, version = handed.take()  # blocks until the trainer commits
+    handed.applied(0.01)
+    stats = handed.stats()
+    assert version == 4 and directory == str(tmp_path / "ckpt")
+    assert stats["rollout/weight_update_applied"] == 1 and stats["rollout/weight_update_wait_s"] >= 0.15
+    assert stats["rollout/weight_update_lag_s"] == 0  # due before the weights were ready: no lag, a wait
+
+    late = NextPolicy(str(tmp_path), str(tmp_path / "ckpt"), 4, after_samples=10)
+    late.committed()
+    time.sleep(0.05)
+    late.take()
+    late.applied(0.0)
+    assert late.stats()["rollout/weight_update_wait_s"] < 0.05 and late.stats()["rollout/weight_update_lag_s"] >= 0.04
+
+    failed = NextPolicy(str(tmp_path), str(tmp_path / "ckpt"), 4, after_samples=10)
+    threading.Timer(0.1, failed.cancel, args=("round 3 failed",)).start()
+    with pytest.raises(RolloutCancelled, match="round 3 failed"):
+        failed.take()
+    assert failed.cancelled and failed.stats()["rollout/weight_update_applied"] == 0
+
+
+@pytest.mark.parametrize(
+    "round_config, message",
+    [
+        ({"rollout": {"collection": "sync_barrier", "partial_rollouts": False}}, "needs rollout.collection"),
+        ({"rollout": {"replicas": 2}}, "set rollout.replicas"),
+    ],
+)
+def test_overlap_refuses_what_it_cannot_update_in_flight(round_config, message):
+    from flows.config import ConfigError, load_campaign_config
+
+    with pytest.raises(ConfigError, match=message):
+        load_campaign_config(None, round={"mode": "overlap", **round_config})
+    assert load_campaign_config(None, round={"mode": "overlap"}).round.update_after_samples == 0.5 * 1024 * 8
+
+
+@pytest.mark.slow
+def test_an_overlapped_campaign_that_stops_early_drops_the_next_rollout(prefect_harness, seed_builtin_base, tmp_path):
+    """stop_at_accuracy reached at round 1: round 2's rollout, already running, is cancelled, not recorded."""
+    from flows.campaign import rl_campaign
+    from flows.config import CampaignConfig
+    from storage.paths import StorageRoot
+    from tasks.engines import drop_serving_engines
+
+    storage = str(tmp_path / "data")
+    seed_builtin_base(storage)
+    config = CampaignConfig.model_validate(
+        {
+            "rounds": 3,
+            "run_id": "early",
+            "stop_at_accuracy": 0.0,
+            "round": {"mode": "overlap", "train": {"groups_per_step": 2, "steps_per_round": 2}},
+        }
+    )
+    try:
+        result = rl_campaign(config, storage=storage)
+    finally:
+        drop_serving_engines()
+    assert [r["round"] for r in result["rounds"]] == [0, 1]
+    root = StorageRoot.of(storage)
+    assert os.path.exists(root.stage_record("early", 1, "record"))
+    assert not os.path.exists(root.stage_record("early", 2, "rollout"))
+
+
 # -- a killed overlapped campaign ----------------------------------------------------------------------
 
 OVERLAP_CONFIG = {
@@ -131,17 +214,11 @@ def _task_runs(flow_run_name: str) -> dict[str, list[tuple]]:
 
 @pytest.mark.slow
 def test_a_killed_overlapped_campaign_resumes_to_the_uninterrupted_result(prefect_harness, weak_base, tmp_path):  # noqa: F811
-    import yaml
-
     from storage.paths import StorageRoot
 
-    config_path = tmp_path / "campaign.yaml"
-    config_path.write_text(
-        yaml.safe_dump({**OVERLAP_CONFIG, "round": {**OVERLAP_CONFIG["round"], "policy": {"base_model": weak_base}}})
-    )
-    reference = Campaign(str(tmp_path / "reference"))
-    crashed = Campaign(str(tmp_path / "crashed"))
-    out, _ = reference.run("--config", str(config_path), "--run-id", "overlap")
+    config_path = config_file(tmp_path, OVERLAP_CONFIG, weak_base)
+    reference, crashed = Campaign(str(tmp_path / "reference")), Campaign(str(tmp_path / "crashed"))
+    out, _ = reference.run("--config", config_path, "--run-id", "overlap")
     assert "round 3:" in out
 
     # The Prefect flow run of round 1 shows round 2's rollout as its own task run, running beside train.
@@ -151,7 +228,7 @@ def test_a_killed_overlapped_campaign_resumes_to_the_uninterrupted_result(prefec
     rollout_2, (train_1,) = tasks["rollout"][1], tasks["train"]
     assert rollout_2[0] < train_1[1] and train_1[0] < rollout_2[1]  # the two intervals intersect
 
-    crashed.run("--config", str(config_path), "--run-id", "overlap", crash_after=KILL_POINTS[0], expect_crash=True)
+    crashed.run("--config", config_path, "--run-id", "overlap", crash_after=KILL_POINTS[0], expect_crash=True)
     for point in KILL_POINTS[1:]:
         crashed.run("--resume", "overlap", crash_after=point, expect_crash=True)
     crashed.run("--resume", "overlap")

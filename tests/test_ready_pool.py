@@ -319,3 +319,40 @@ def test_a_synchronous_barrier_generates_whole_batches_and_waits_for_every_verdi
     assert [g.request.group_id for g in harvest.ready] == ["g0", "g1", "g2", "g3"] and harvest.carry == []
     assert harvest.trainable == 3 and harvest.stopped_at is None  # g3 waited for in full: the barrier's cost
     assert engine.steps == 3 + 31  # each batch as long as its longest sample
+
+
+class SlowEnvironment:
+    """One verifier that takes ``seconds`` a verdict, in submission order: an environment the engine outruns.
+    Reward as ``ScriptedEnvironment``'s."""
+
+    def __init__(self, seconds: float) -> None:
+        import queue
+
+        self.seconds, self.jobs, self.calls = seconds, queue.Queue(), 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def submit(self, text: str, reference: str) -> Future:
+        future: Future = Future()
+        self.calls += 1
+        self.jobs.put((future, Verdict(float(int(text) % 2 == 0))))
+        return future
+
+    def _serve(self) -> None:
+        while True:
+            future, verdict = self.jobs.get()
+            time.sleep(self.seconds)
+            future.set_result(verdict)
+
+
+def test_feeding_holds_for_a_slow_environment_so_the_carry_over_stays_bounded():
+    lengths = {f"g{i:03d}": [2, 3] for i in range(300)}  # every group trainable once both verdicts are in
+    limits = PoolLimits(max_outstanding=4, verdict_wait_s=0.01)
+    engine = ScriptedEngine(lengths, max_batch=8)
+    pool, harvest = collect(engine, SlowEnvironment(0.002), lengths, target=20, fresh_ids=list(lengths), limits=limits)
+    assert harvest.trainable >= 20 and harvest.waited_for_slow_environment
+    unverified = [s for g in harvest.carry for s in g.slots if s.state == UNVERIFIED]
+    # the engine outruns the environment, but at most a queue and the engine's batch more than it needs are
+    # generated: without the hold every one of the 300 groups would be fed and carried unverified
+    assert len(unverified) <= 2 * limits.max_outstanding + engine.max_batch + 2
+    assert len(engine.requests) < 40
+    assert set(accounted(harvest)) == {(r.group_id, i) for r in engine.requests for i in range(2)}  # none lost

@@ -443,6 +443,15 @@ def _one_thread() -> dict:
     return {"threads": 1} if "threads" in {f.name for f in fields(BaseRecipe)} else {}
 
 
+def config_file(tmp_path, config: dict, base_model: str) -> str:
+    """``config`` with ``base_model`` as its policy, written as a YAML file for `rlrounds run --config`."""
+    import yaml
+
+    path = tmp_path / "campaign.yaml"
+    path.write_text(yaml.safe_dump({**config, "round": {**config["round"], "policy": {"base_model": base_model}}}))
+    return str(path)
+
+
 class Campaign:
     """`rlrounds run` in subprocesses sharing the test session's Prefect server; each its own process group."""
 
@@ -532,14 +541,8 @@ def _same_tree(a, b):
 
 @pytest.mark.slow
 def test_killed_at_every_stage_boundary_resumes_to_the_uninterrupted_result(prefect_harness, weak_base, tmp_path):
-    import yaml
-
-    config_path = tmp_path / "campaign.yaml"
-    config_path.write_text(
-        yaml.safe_dump({**CRASH_CONFIG, "round": {**CRASH_CONFIG["round"], "policy": {"base_model": weak_base}}})
-    )
-    reference = Campaign(str(tmp_path / "reference"))
-    crashed = Campaign(str(tmp_path / "crashed"))
+    config_path = config_file(tmp_path, CRASH_CONFIG, weak_base)
+    reference, crashed = Campaign(str(tmp_path / "reference")), Campaign(str(tmp_path / "crashed"))
 
     _, reference_s = reference.run("--config", str(config_path), "--run-id", "crash")
     times = {}

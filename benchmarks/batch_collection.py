@@ -33,6 +33,10 @@ accuracy >= --target (start-up is the same for all and left out). Per mode also:
 (1 - train seconds / round seconds) and the generator's (1 - engine generating seconds / round seconds,
 an overlapped rollout's wait for the trainer's weights counted as idle).
 
+Measure on an otherwise idle machine, at normal priority: under a real-time policy (``chrt -f``) the
+rollout's thread keeps both cores and the verifier threads starve, so verdicts lag generation and the
+figures describe the starvation, not the pool.
+
 ``--quick`` shrinks both parts (fewer rounds, a lower target) to stay under about five minutes here;
 the JSON has the same shape.
 """

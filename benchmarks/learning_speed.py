@@ -13,6 +13,10 @@ as the campaign reports it. Prints:
 - updates to target (optimizer steps), final accuracy after the campaign's rounds;
 - generated vs kept groups, and the mean seconds per round of every stage (MLflow ``time/*``).
 
+Measure on an otherwise idle machine, at normal priority: under a real-time policy (``chrt -f``) the
+rollout's thread keeps both cores and the verifier threads starve, so verdicts lag generation and the
+figures describe the starvation, not the pool.
+
 ``--baseline-config FILE`` runs a second campaign, laid over the same defaults with FILE, in the same
 process right after, and prints the ratios: the way to compare a change of defaults on a noisy machine.
 The base is built once under --storage and reused by both.

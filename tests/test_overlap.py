@@ -143,31 +143,53 @@ def test_overlap_refuses_what_it_cannot_update_in_flight(round_config, message):
 
 
 @pytest.mark.slow
-def test_an_overlapped_campaign_that_stops_early_drops_the_next_rollout(prefect_harness, seed_builtin_base, tmp_path):
-    """stop_at_accuracy reached at round 1: round 2's rollout, already running, is cancelled, not recorded."""
+def test_a_round_that_fails_cancels_the_rollout_waiting_for_its_weights(
+    prefect_harness, seed_builtin_base, tmp_path, monkeypatch
+):
+    """Round 1's train fails (in-process, after its commit, before its record): round 2's rollout, which
+    cannot pass its update point without round 1's weights, is cancelled and not recorded; the re-run
+    campaign then finishes, and a campaign that stops early (stop_at_accuracy) ends after that round."""
+    from flows import stages
     from flows.campaign import rl_campaign
     from flows.config import CampaignConfig
     from storage.paths import StorageRoot
     from tasks.engines import drop_serving_engines
 
+    class Lost(Exception):
+        pass
+
+    def fail_after_train_1(stage, round_index):
+        if (stage, round_index) == ("train", 1):
+            raise Lost("worker lost")
+
     storage = str(tmp_path / "data")
     seed_builtin_base(storage)
-    config = CampaignConfig.model_validate(
-        {
-            "rounds": 3,
-            "run_id": "early",
-            "stop_at_accuracy": 0.0,
-            "round": {"mode": "overlap", "train": {"groups_per_step": 2, "steps_per_round": 2}},
-        }
-    )
+    root = StorageRoot.of(storage)
+    # the update point after 2 finished samples, and 8 groups at a time in the engine: round 2's rollout
+    # cannot fill its batch of 4 trainable groups before it reaches the update point
+    small = {
+        "mode": "overlap",
+        "overlap_update_after": 0.05,
+        "rollout": {"max_batch": 64},
+        "train": {"groups_per_step": 2, "steps_per_round": 2},
+    }
+    config = CampaignConfig.model_validate({"rounds": 2, "run_id": "cancel", "round": small})
+    monkeypatch.setattr(stages, "crash_point", fail_after_train_1)
     try:
+        with pytest.raises(Lost):
+            rl_campaign(config, storage=storage)
+        assert os.path.exists(root.stage_record("cancel", 1, "filter"))
+        assert not os.path.exists(root.stage_record("cancel", 2, "rollout"))  # cancelled, not recorded
+        monkeypatch.undo()
         result = rl_campaign(config, storage=storage)
+        assert [r["round"] for r in result["rounds"]] == [0, 1, 2]
+        assert os.path.exists(root.stage_record("cancel", 2, "rollout"))
+
+        early = CampaignConfig.model_validate({"rounds": 3, "run_id": "early", "stop_at_accuracy": 0.0, "round": small})
+        assert [r["round"] for r in rl_campaign(early, storage=storage)["rounds"]] == [0, 1]
+        assert os.path.exists(root.stage_record("early", 1, "record"))
     finally:
         drop_serving_engines()
-    assert [r["round"] for r in result["rounds"]] == [0, 1]
-    root = StorageRoot.of(storage)
-    assert os.path.exists(root.stage_record("early", 1, "record"))
-    assert not os.path.exists(root.stage_record("early", 2, "rollout"))
 
 
 # -- a killed overlapped campaign ----------------------------------------------------------------------

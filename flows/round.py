@@ -13,6 +13,7 @@ next round, which then finds its rollout committed and goes straight to filter).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from prefect import flow
 from prefect.runtime import flow_run
@@ -20,7 +21,7 @@ from prefect.runtime import flow_run
 from flows.approval import approve_and_promote
 from flows.config import RoundConfig
 from flows.progress import StageProgress, artifact_key
-from flows.stages import Stages
+from flows.stages import PendingStage, Stages
 from flows.tasks import (
     evaluate_task,
     filter_task,
@@ -94,7 +95,7 @@ def rl_round(config: RoundConfig, storage: str, run_id: str, round_index: int, e
     collecting = StageProgress("rollout", artifact_key(run_id, "round", round_index, "rollout"),
                                f"round {round_index}: trainable groups collected")
     if overlap and round_index >= 2:  # normally recorded already by the previous round, which ran it
-        rollout = rollout_stage(stage, config, overlapped_context(ctx), collecting).pending.result()
+        rollout = overlapped_rollout(stage, config, overlapped_context(ctx), collecting).pending.result()
         if "rollout" in stage.skipped:  # the previous round ran it: that is overlap, not a resume
             stage.skipped.remove("rollout")
     else:
@@ -112,7 +113,7 @@ def rl_round(config: RoundConfig, storage: str, run_id: str, round_index: int, e
     clock.lap("filter")
     upcoming = None
     if overlap and next_round:  # the next round's rollout generates while this round trains
-        upcoming = rollout_stage(Stages(next_ctx := next_context(ctx)), config, next_ctx,
+        upcoming = overlapped_rollout(Stages(next_ctx := next_context(ctx)), config, next_ctx,
                                  StageProgress("rollout", artifact_key(run_id, "round", round_index + 1, "rollout"),
                                                f"round {round_index + 1}: trainable groups collected"),
                                  start=ctx.parent_checkpoint)
@@ -133,17 +134,17 @@ def rl_round(config: RoundConfig, storage: str, run_id: str, round_index: int, e
                                verify=config.verify_resolved, checkpoint=trained.checkpoint,
                                model_version=published.model_version,
                                engine_role="evaluate" if overlap else "rollout")
+        if config.evaluate.approval == "required" and evaluation.stats.get("eval/gate_passed"):
+            # one stage: a resumed round whose decision is recorded does not ask again
+            decided = stage.run("promote", approve_and_promote, ctx=ctx, config=config.evaluate,
+                                model_version=published.model_version, stats=evaluation.stats,
+                                champion_name=config.publish_resolved.registered_name)
+            evaluation = evaluation.model_copy(update={"stats": {**evaluation.stats, **decided.stats}})
     except BaseException:
-        if upcoming is not None:
-            upcoming.next_policy.cancel(f"round {round_index} failed before handing over its weights")
+        if upcoming is not None:  # a rollout waiting for weights that will not come must not wait forever
+            upcoming.next_policy.cancel(f"round {round_index} failed")
             upcoming.pending.abandon()
         raise
-    if config.evaluate.approval == "required" and evaluation.stats.get("eval/gate_passed"):
-        # one stage: a resumed round whose decision is recorded does not ask again
-        decided = stage.run("promote", approve_and_promote, ctx=ctx, config=config.evaluate,
-                            model_version=published.model_version, stats=evaluation.stats,
-                            champion_name=config.publish_resolved.registered_name)
-        evaluation = evaluation.model_copy(update={"stats": {**evaluation.stats, **decided.stats}})
     clock.lap("evaluate")
 
     if upcoming is not None:
@@ -166,9 +167,12 @@ def rl_round(config: RoundConfig, storage: str, run_id: str, round_index: int, e
 # -- overlap mode ---------------------------------------------------------------------------------
 
 
+@dataclass
 class _Upcoming:
-    def __init__(self, pending, next_policy: NextPolicy) -> None:
-        self.pending, self.next_policy = pending, next_policy
+    """An overlapped rollout in flight, and the hand-over it waits on."""
+
+    pending: PendingStage
+    next_policy: NextPolicy
 
 
 def overlapped_context(ctx: RoundContext) -> RoundContext:
@@ -185,7 +189,7 @@ def next_context(ctx: RoundContext) -> RoundContext:
     )
 
 
-def rollout_stage(stage: Stages, config: RoundConfig, ctx: RoundContext, progress: StageProgress,
+def overlapped_rollout(stage: Stages, config: RoundConfig, ctx: RoundContext, progress: StageProgress,
                   start: str | None = None) -> _Upcoming:
     """Round ``ctx.round``'s overlapped rollout, submitted: it starts from ``start``, the parent's parent
     (the newest checkpoint committed while the parent trains), and switches to the parent after

@@ -147,7 +147,7 @@ def report_sections(s: dict) -> list[tuple[str, list[tuple[str, str]]]]:
         ("weight publication", [
             ("publish latency", _fmt(s, "publish/latency_s", ".3f", " s")),
             ("engine pause", _fmt(s, "publish/engine_pause_s", ".4f", " s")),
-            ("overlap: parent loaded mid-rollout after samples (applied)",
+            ("overlap: parent loaded after samples (applied)",
              f"{_fmt(s, 'rollout/weight_update_after_samples', '.0f')} "
              f"({_fmt(s, 'rollout/weight_update_applied', '.0f')})"),
             ("overlap: engine wait for the trainer / pause",

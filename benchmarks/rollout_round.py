@@ -1,7 +1,7 @@
 """One round's rollout on the built-in base: time to a trainable batch and samples generated, with partial
 rollouts on (the default) and off, measured in one run.
 
-    python benchmarks/rollout_round.py --storage DIR [--groups 1024] [--repeats 2] [--json PATH]
+    python benchmarks/rollout_round.py --storage DIR [--groups 2048] [--repeats 2] [--json PATH]
 
 DIR is a storage root; the built-in base is built there on first use (a minute or two) and reused after.
 Each repeat runs both modes back to back, so the ratio compares like with like on a shared machine.
@@ -43,10 +43,16 @@ def one_round(engine, tokenizer, groups: int, partial: bool, seed: int) -> dict:
 
 
 def main() -> None:
+    from tasks.train import TrainConfig
+
+    train = TrainConfig()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--storage", required=True)
     parser.add_argument(
-        "--groups", type=int, default=1024, help="trainable groups per round (default: the default round's)"
+        "--groups",
+        type=int,
+        default=train.groups_per_step * train.steps_per_round,
+        help="trainable groups per round (default: the default round's)",
     )
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--json", help="write the figures here")

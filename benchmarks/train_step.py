@@ -1,11 +1,11 @@
 """One optimizer step's forward and backward on the built-in base: scoring full sequences against
 scoring completions over shared prompts (what training does), measured in one run.
 
-    python benchmarks/train_step.py --storage DIR [--groups 64] [--repeats 5] [--json PATH]
+    python benchmarks/train_step.py --storage DIR [--groups 128] [--samples 4] [--repeats 5] [--json PATH]
 
 DIR is a storage root; the built-in base is built there on first use and reused after. A minibatch
-is sampled by the embedded engine from the base (``--groups`` prompts x 8 samples, the default
-round's shape), then each scoring runs forward and backward ``--repeats`` times in turn; the medians
+is sampled by the embedded engine from the base (``--groups`` prompts x ``--samples`` samples, by
+default the default round's step), then each scoring runs forward and backward ``--repeats`` times in turn; the medians
 and their ratio are printed. Both scorings give the same logprobs to float rounding
 (tests/test_shared_prompts.py), so the ratio is the whole difference.
 """
@@ -19,9 +19,13 @@ import time
 
 
 def main() -> None:
+    from tasks.rollout import RolloutConfig
+    from tasks.train import TrainConfig
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--storage", required=True)
-    parser.add_argument("--groups", type=int, default=64, help="groups per step (default: the default round's)")
+    parser.add_argument("--groups", type=int, default=TrainConfig().groups_per_step, help="groups per step")
+    parser.add_argument("--samples", type=int, default=RolloutConfig().samples_per_prompt, help="samples per group")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
@@ -44,7 +48,8 @@ def main() -> None:
     stream = prompt_stream(PromptsConfig(), seed=0)
     params = SamplingParams(temperature=1.0, max_tokens=8, seed=0)
     requests = [
-        GroupRequest(f"g{i}", tuple(tokenizer(next(stream).text)["input_ids"]), 8, params) for i in range(args.groups)
+        GroupRequest(f"g{i}", tuple(tokenizer(next(stream).text)["input_ids"]), args.samples, params)
+        for i in range(args.groups)
     ]
     samples = list(EmbeddedEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id).generate(requests))
     prompts = [list(s.prompt_token_ids) for s in samples]

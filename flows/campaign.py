@@ -18,7 +18,7 @@ from prefect.runtime import flow_run
 
 from flows.config import CampaignConfig
 from flows.progress import StageProgress, artifact_key, publish_rounds_table, stage_logger
-from flows.round import rl_round
+from flows.round import run_round
 from flows.stages import Stages
 from flows.tasks import open_round_task, preflight_task, prepare_base_task, register_base_task
 from storage.campaigns import Owner, assert_owner, claim, release
@@ -163,7 +163,7 @@ def _rounds(config: CampaignConfig, storage: str, run_id: str, version: str, own
     parent_checkpoint, parent_version = base.checkpoint, round0.model_version
     for k in range(1, config.rounds + 1):
         assert_owner(StorageRoot.of(storage), run_id, owner)  # a process that lost a takeover stops here
-        result = rl_round(
+        result = run_round(
             rc,
             storage=storage,
             run_id=run_id,

@@ -12,7 +12,7 @@ from prefect import flow
 
 from flows.campaign import _rounds, code_version, new_run_id
 from flows.config import CampaignConfig, RoundConfig
-from flows.round import rl_round
+from flows.round import run_round
 from flows.tasks import preflight_task, resolve_start_task
 from storage.campaigns import claim, read_campaign, release
 from storage.paths import StorageRoot
@@ -62,7 +62,7 @@ def rl_round_from(
             parent = resolve_start_task(storage=root.uri, start=resolved)
             checkpoint, model_version, history = parent.checkpoint, parent.model_version, []
             for k in range(parent.round + 1, parent.round + 1 + rounds):
-                result = rl_round(
+                result = run_round(
                     config,
                     storage=root.uri,
                     run_id=run_id,

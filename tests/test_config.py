@@ -134,5 +134,5 @@ def test_rlrounds_config_prints_each_fields_help_and_loads_back(capsys):
     text = capsys.readouterr().out
     assert "  rollout:\n" in text
     assert "    # Samples per group. GRPO compares samples of one prompt, so at least 2.\n" in text
-    assert "    samples_per_prompt: 8\n" in text
+    assert "    samples_per_prompt: 4\n" in text
     assert CampaignConfig.model_validate(yaml.safe_load(text)) == CampaignConfig()  # the comments change nothing

@@ -16,7 +16,7 @@ def test_a_short_default_campaign_raises_held_out_accuracy(prefect_harness, seed
 
     storage = str(tmp_path / "data")
     seed_builtin_base(storage)
-    # Default rounds (64 groups x 16 steps each); it stops as soon as a round clears the bar with margin.
+    # Default rounds (128 groups x 16 steps each); it stops as soon as a round clears the bar with margin.
     config = CampaignConfig.model_validate({"rounds": 10, "run_id": "learns", "stop_at_accuracy": 0.6})
     start = time.monotonic()
     result = rl_campaign(config, storage=storage)

@@ -139,7 +139,7 @@ def test_overlap_refuses_what_it_cannot_update_in_flight(round_config, message):
 
     with pytest.raises(ConfigError, match=message):
         load_campaign_config(None, round={"mode": "overlap", **round_config})
-    assert load_campaign_config(None, round={"mode": "overlap"}).round.update_after_samples == 0.5 * 1024 * 8
+    assert load_campaign_config(None, round={"mode": "overlap"}).round.update_after_samples == 0.5 * 2048 * 4
 
 
 @pytest.mark.slow

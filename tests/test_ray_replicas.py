@@ -158,6 +158,7 @@ def test_a_round_on_two_replicas_completes_every_group_with_the_usual_rows(campa
     from models.replicas import ReplicaRouter
     from storage.paths import StorageRoot
     from storage.trajectories import arrow_schema, list_manifests, read_table
+    from tasks.rollout import RolloutConfig
 
     storage, result, released = campaign
     root = StorageRoot.of(storage)
@@ -173,7 +174,7 @@ def test_a_round_on_two_replicas_completes_every_group_with_the_usual_rows(campa
             "success",
             "model_failure",
         )
-    assert set(sizes.values()) == {8}  # every group started was completed
+    assert set(sizes.values()) == {RolloutConfig().samples_per_prompt}  # every group started was completed
     assert len({r["group_id"] for r in rows if r["kept"]}) == 8
     assert result["rounds"][1]["accuracy"] >= 0.0
 

@@ -27,23 +27,8 @@ import statistics
 
 from models.engine import EmbeddedEngine, GroupRequest, SamplingParams
 from models.policy import load_policy, logprobs_by_version
+from tasks.overlap import UpdateAtStep
 from tasks.prompts import PromptsConfig, prompt_stream
-
-
-class UpdateAtStep:
-    def __init__(self, directory: str, step: int) -> None:
-        self.directory, self.step, self.polls = directory, step, 0
-        self.pause_s = 0.0
-
-    def due(self, finished: int) -> bool:
-        self.polls += 1
-        return self.polls > self.step
-
-    def take(self) -> tuple[str, int]:
-        return self.directory, 2
-
-    def applied(self, pause_s: float) -> None:
-        self.pause_s = pause_s
 
 
 def measure(old: str, new: str, update_kv: str, groups: int, seed: int) -> dict:
@@ -52,7 +37,7 @@ def measure(old: str, new: str, update_kv: str, groups: int, seed: int) -> dict:
     stream = prompt_stream(PromptsConfig(), seed)
     params = SamplingParams(1.0, 1.0, 8, seed)
     requests = [GroupRequest(f"g{i}", tuple(tok(next(stream).text)["input_ids"]), 8, params) for i in range(groups)]
-    update = UpdateAtStep(new, 1)
+    update = UpdateAtStep(new, 2, step=2)
     samples = list(engine.generate(requests, None, update))
     spanning = [s for s in samples if len(set(s.token_policy_versions)) == 2]
     recomputed = logprobs_by_version({1: load_policy(old)[0], 2: load_policy(new)[0]}, spanning, tok.pad_token_id)

@@ -28,6 +28,28 @@ class RolloutCancelled(RuntimeError):
     """The round that was to hand over its weights failed or the campaign stopped: the rollout ran for nothing."""
 
 
+@dataclass
+class UpdateAtStep:
+    """A ``WeightUpdate`` due at the engine's ``step``-th poll, one poll per decode step: new weights at a
+    known point of a generation, for benchmarks and tests (a round's hand-over is ``NextPolicy``)."""
+
+    directory: str
+    version: int
+    step: int
+    polls: int = 0
+    pause_s: float | None = None
+
+    def due(self, finished: int) -> bool:
+        self.polls += 1
+        return self.polls >= self.step
+
+    def take(self) -> tuple[str, int]:
+        return self.directory, self.version
+
+    def applied(self, pause_s: float) -> None:
+        self.pause_s = pause_s
+
+
 class NextPolicy:
     """The checkpoint a running rollout switches to, once it is committed and the update point is reached."""
 

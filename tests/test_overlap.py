@@ -9,6 +9,7 @@ import torch
 
 from models.engine import EmbeddedEngine, GroupRequest, SamplingParams
 from models.policy import load_policy, logprobs_by_version, save_policy
+from tasks.overlap import UpdateAtStep
 from tests.test_resume import (  # noqa: F401 -- weak_base is a fixture
     TIMING_COLUMNS,
     Campaign,
@@ -19,24 +20,6 @@ from tests.test_resume import (  # noqa: F401 -- weak_base is a fixture
 )
 
 PROMPTS = ["1+2=", "34+56=", "7+89=", "99+99=", "5+5=", "12+3="]
-
-
-class UpdateAtStep:
-    """A hand-over due at the engine's ``step``-th decode step (the engine's view of it is all that matters)."""
-
-    def __init__(self, directory: str, version: int, step: int) -> None:
-        self.directory, self.version, self.step = directory, version, step
-        self.polls, self.pause_s = 0, None
-
-    def due(self, finished: int) -> bool:
-        self.polls += 1
-        return self.polls >= self.step
-
-    def take(self) -> tuple[str, int]:
-        return self.directory, self.version
-
-    def applied(self, pause_s: float) -> None:
-        self.pause_s = pause_s
 
 
 @pytest.fixture(scope="module")

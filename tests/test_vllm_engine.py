@@ -223,29 +223,13 @@ def test_stopped_requests_come_back_partial_and_resume_under_new_weights(served,
         assert torch.allclose(got[:k], under[0][:k], atol=1e-4) and torch.allclose(got[k:], under[1][k:], atol=1e-4)
 
 
-class _UpdateAtStep:
-    """A hand-over due at the engine's fifth step (overlap mode's NextPolicy, timed by steps here)."""
-
-    def __init__(self, directory: str) -> None:
-        self.directory, self.polls, self.pause_s = directory, 0, None
-
-    def due(self, finished: int) -> bool:
-        self.polls += 1
-        return self.polls > 4
-
-    def take(self) -> tuple[str, int]:
-        return self.directory, 1
-
-    def applied(self, pause_s: float) -> None:
-        self.pause_s = pause_s
-
-
 @pytest.mark.parametrize("update_kv", ["recompute", "keep"])
 def test_weights_updated_mid_generation_label_every_token_with_its_version(served, storage, tmp_path, update_kv):
     """Overlap mode on vLLM: new weights between two steps. 'recompute' re-admits the requests in flight
     as prompt + prefix, so every token's logprob is its own version's; 'keep' reloads under them."""
     from models.policy import logprobs_by_version, save_policy
     from tasks.engines import serving_engine
+    from tasks.overlap import UpdateAtStep
 
     engine, tok = served
     policies = {}
@@ -257,7 +241,7 @@ def test_weights_updated_mid_generation_label_every_token_with_its_version(serve
                 p.add_(0.3 * torch.randn_like(p))
         save_policy(model, tok, str(tmp_path / f"v{version}"))
         policies[version] = model
-    update = _UpdateAtStep(str(tmp_path / "v1"))
+    update = UpdateAtStep(str(tmp_path / "v1"), 1, step=5)  # at the fifth step
     engine.update_kv = update_kv
     try:
         serving_engine("vllm", str(tmp_path / "v0"), "float32", 0)

@@ -13,6 +13,8 @@ next round, which then finds its rollout committed and goes straight to filter).
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from prefect import flow
@@ -164,16 +166,23 @@ def rl_round(config: RoundConfig, storage: str, run_id: str, round_index: int, e
                        trajectory_version=trajectories.version, stats=stats, resumed_stages=stage.skipped)
 
 
-def run_round(config: RoundConfig, **kwargs) -> RoundResult:
-    """``rl_round`` as a subflow of the calling flow, without a heartbeat of its own.
+@contextmanager
+def without_heartbeat() -> Iterator[None]:
+    """Flow runs started inside this block run without a heartbeat thread of their own.
 
     Prefect starts a heartbeat thread for every flow run and joins it when the run ends; the thread
-    sleeps in whole seconds, so the join waits for up to one second after a round is done (0.5 s a round
-    on average, measured: about 6% of a default round). The calling flow run (the campaign's) keeps its
+    sleeps in whole seconds, so the join waits for up to one second after the run is done
+    (``benchmarks/subflow_overhead.py``). A round is a subflow of the campaign, whose flow run keeps its
     heartbeat, so a server still learns that the process died."""
     from prefect.settings import temporary_settings
 
     with temporary_settings(updates={"flows.heartbeat_frequency": None}):
+        yield
+
+
+def run_round(config: RoundConfig, **kwargs) -> RoundResult:
+    """``rl_round`` as a subflow of the calling flow, without a heartbeat of its own (``without_heartbeat``)."""
+    with without_heartbeat():
         return rl_round(config, **kwargs)
 
 

@@ -100,3 +100,16 @@ def test_prefect_recorded_rounds_and_reports(campaign):
     assert {"it-campaign-round-1", "it-campaign-round-2"} <= names
     reports = [a for a in artifacts if a.key and a.key.startswith("round-it-campaign-")]
     assert len(reports) >= 2 and "time to a trainable batch" in reports[0].data
+
+
+def test_rounds_run_without_a_heartbeat_thread_of_their_own():
+    """Prefect joins a flow run's heartbeat thread at its end, up to a second after every round
+    (benchmarks/subflow_overhead.py); rounds turn it off for themselves only."""
+    from prefect.settings import get_current_settings
+
+    from flows.round import without_heartbeat
+
+    assert get_current_settings().flows.heartbeat_frequency is not None  # the campaign's run keeps one
+    with without_heartbeat():
+        assert get_current_settings().flows.heartbeat_frequency is None
+    assert get_current_settings().flows.heartbeat_frequency is not None

@@ -125,10 +125,13 @@ def main() -> None:
     args = parser.parse_args()
 
     from flows.cli import quiet_libraries
-    from flows.orphans import mark_this_process
+    from flows.orphans import mark_this_process, reap_orphans
 
     quiet_libraries(debug=False)
-    mark_this_process()  # a killed benchmark's Prefect server is stopped by the next rlrounds start
+    # what a killed benchmark or campaign left running (its Prefect server) would take CPU from the figures
+    if reaped := reap_orphans():
+        print(f"stopped {len(reaped)} process(es) left by a killed rlrounds or benchmark: {reaped}")
+    mark_this_process()  # and what this one leaves if it is killed, the next one stops
     os.environ["RLROUNDS_STORAGE"] = args.storage  # the campaigns' MLflow store lives there too
 
     from flows.config import load_campaign_config

@@ -18,8 +18,8 @@ CONFIG = {
     "rounds": 2,
     "experiment": "partial",
     "round": {
-        # 32 samples in flight (4 groups): the batch fills while the last groups fed are still generating
-        "rollout": {"max_tokens": 12, "max_batch": 32, "partial_rollouts": True},
+        # 32 samples in flight (4 groups of 8): the batch fills while the last groups fed are still generating
+        "rollout": {"samples_per_prompt": 8, "max_tokens": 12, "max_batch": 32, "partial_rollouts": True},
         "train": {"groups_per_step": 4, "steps_per_round": 2},
         "publish": {"model_name": "partial-policy"},
         "seed": 7,

@@ -290,6 +290,7 @@ def _client(storage):
 def test_a_round_with_vllm_rollouts_records_the_engine_and_its_policy_version(campaign, served):
     from storage.paths import StorageRoot
     from storage.trajectories import list_manifests, read_table
+    from tasks.rollout import RolloutConfig
 
     storage, result = campaign
     (manifest,) = list_manifests(StorageRoot.of(storage))
@@ -301,7 +302,7 @@ def test_a_round_with_vllm_rollouts_records_the_engine_and_its_policy_version(ca
         assert len(r["completion_token_ids"]) == len(r["rollout_logprobs"]) == len(r["token_policy_versions"]) >= 1
         assert r["token_policy_versions"] == [0] * len(r["completion_token_ids"])  # round 1 samples the base
         assert r["finish_reason"] in ("stop", "length")
-    assert set(groups.values()) == {8}
+    assert set(groups.values()) == {RolloutConfig().samples_per_prompt}  # every group completed
     assert len({r["group_id"] for r in rows if r["kept"]}) == 8
     engine, _ = served
     assert engine.policy_version == 1  # publish loaded round 1 into the running engine

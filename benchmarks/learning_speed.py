@@ -125,13 +125,10 @@ def main() -> None:
     args = parser.parse_args()
 
     from flows.cli import quiet_libraries
-    from flows.orphans import mark_this_process, reap_orphans
+    from flows.orphans import take_over
 
     quiet_libraries(debug=False)
-    # what a killed benchmark or campaign left running (its Prefect server) would take CPU from the figures
-    if reaped := reap_orphans():
-        print(f"stopped {len(reaped)} process(es) left by a killed rlrounds or benchmark: {reaped}")
-    mark_this_process()  # and what this one leaves if it is killed, the next one stops
+    take_over(os.path.basename(__file__))  # a killed run's Prefect server would take CPU from the figures
     os.environ["RLROUNDS_STORAGE"] = args.storage  # the campaigns' MLflow store lives there too
 
     from flows.config import load_campaign_config

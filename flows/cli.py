@@ -304,13 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     quiet_libraries(args.debug)
     _setup_logging()
-    from flows.orphans import mark_this_process, reap_orphans
+    from flows.orphans import take_over
 
-    reaped = reap_orphans()  # left by campaigns killed before they could stop their children
-    if reaped:
-        pids = ", ".join(map(str, reaped))
-        print(f"rlrounds: stopped {len(reaped)} process(es) left by a killed rlrounds (pids {pids})", file=sys.stderr)
-    mark_this_process()
+    take_over("rlrounds")  # what campaigns killed before they could stop their children left behind
     if args.debug:
         return args.func(args)
     try:

@@ -77,3 +77,15 @@ def reap_orphans(grace_s: float = 5.0) -> list[int]:
         except (ProcessLookupError, PermissionError):
             pass
     return victims
+
+
+def take_over(who: str) -> None:
+    """Start of an ``rlrounds`` process (the CLI, a benchmark that runs campaigns): stop what killed ones
+    left behind, saying so on stderr, then mark this one so that the next start stops what it leaves.
+    A stray Prefect server would also take CPU from a benchmark's figures."""
+    import sys
+
+    if reaped := reap_orphans():
+        pids = ", ".join(map(str, reaped))
+        print(f"{who}: stopped {len(reaped)} process(es) left by a killed rlrounds (pids {pids})", file=sys.stderr)
+    mark_this_process()

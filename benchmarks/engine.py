@@ -1,21 +1,25 @@
-"""Embedded engine vs transformers ``generate``: same model, same prompts, same sampling settings.
+"""Embedded engine vs transformers ``generate``: same model, same prompts, same sampling settings; and
+the embedded engine's two KV caches (models/kv_cache.py) against each other.
 
-Two workloads, both sampled at temperature 1 with n samples per prompt:
+Three workloads, all sampled at temperature 1 with n samples per prompt:
 - uniform:     every completion is exactly ``--tokens`` long (eos ignored by both engines);
 - long-tailed: completions end at eos. The model is a randomly initialised Llama whose eos is drawn
                about once every vocabulary-size steps, so lengths are geometric: most short, a few long.
                ``generate`` keeps every row of a static batch computing until the longest finishes;
                the embedded engine retires each sequence when it ends.
+- rollout:     the default round's shape: ``--rollout-prompts`` prompts x 4 samples, at most 8 tokens,
+               eos-ended, through one engine of 1024 rows (rows leave and join all the time).
 Figures are useful tokens (up to and including eos) per second, median of ``--repeats`` runs, and the
-ratio embedded / generate, measured in this run. ``generate`` is not asked for logprobs, the embedded
-engine always computes them.
+ratios embedded / generate and slots / padded, measured in this run, the runs of the engines interleaved.
+``generate`` is not asked for logprobs, the embedded engine always computes them.
 
-    python benchmarks/engine.py [--prompts 32] [--samples 8] [--tokens 32] [--repeats 3]
+    python benchmarks/engine.py [--prompts 32] [--samples 8] [--tokens 32] [--rollout-prompts 2048] [--repeats 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 import warnings
@@ -59,10 +63,15 @@ def run_generate(model, tokenizer, texts, samples: int, tokens: int, uniform: bo
     return useful, elapsed
 
 
-def run_embedded(model, tokenizer, texts, samples: int, tokens: int, uniform: bool) -> tuple[int, float]:
+def run_embedded(
+    model, tokenizer, texts, samples: int, tokens: int, uniform: bool, kv_cache: str = "slots", max_batch: int = 0
+) -> tuple[int, float]:
     from models.engine import EmbeddedEngine, GroupRequest, SamplingParams
 
-    engine = EmbeddedEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, max_batch=len(texts) * samples)
+    engine = EmbeddedEngine(
+        model, tokenizer.eos_token_id, tokenizer.pad_token_id, max_batch=max_batch or len(texts) * samples,
+        kv_cache=kv_cache,
+    )
     params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=tokens, seed=1, ignore_eos=uniform)
     requests = [GroupRequest(f"g{i}", tuple(tokenizer(t)["input_ids"]), samples, params) for i, t in enumerate(texts)]
     start = time.perf_counter()
@@ -70,10 +79,16 @@ def run_embedded(model, tokenizer, texts, samples: int, tokens: int, uniform: bo
     return useful, time.perf_counter() - start
 
 
-def measure(fn, repeats: int, *args) -> tuple[float, int]:
-    fn(*args)  # warm-up: first calls pay one-off allocation costs
-    runs = [fn(*args) for _ in range(repeats)]
-    return statistics.median(t / e for t, e in runs), runs[0][0]
+def measure(runs: dict, repeats: int) -> dict[str, tuple[float, int]]:
+    """Median tokens/s and tokens of each named run (a no-argument function), repeats interleaved so that
+    a slow spell of a shared machine falls on every engine alike."""
+    for fn in runs.values():
+        fn()  # warm-up: first calls pay one-off allocation costs
+    seen: dict[str, list[tuple[int, float]]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, fn in runs.items():
+            seen[name].append(fn())
+    return {name: (statistics.median(t / e for t, e in r), r[0][0]) for name, r in seen.items()}
 
 
 def main() -> None:
@@ -82,6 +97,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=32, help="new tokens (uniform) / cap (long-tailed)")
     parser.add_argument("--tail-tokens", type=int, default=128, help="length cap for the long-tailed workload")
+    parser.add_argument("--rollout-prompts", type=int, default=2048, help="prompts of the rollout workload")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
@@ -94,12 +110,26 @@ def main() -> None:
     params = sum(p.numel() for p in model.parameters())
     print(f"model: Llama {params / 1e6:.2f}M parameters, {args.prompts} prompts x {args.samples} samples, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print(f"{'workload':<34}{'generate tok/s':>16}{'embedded tok/s':>16}{'ratio':>8}")
-    for name, tokens, uniform in (("uniform", args.tokens, True), ("long-tailed", args.tail_tokens, False)):
-        hf, hf_tokens = measure(run_generate, args.repeats, model, tokenizer, texts, args.samples, tokens, uniform)
-        emb, emb_tokens = measure(run_embedded, args.repeats, model, tokenizer, texts, args.samples, tokens, uniform)
-        label = f"{name} (<= {tokens} tokens, mean {emb_tokens / (args.prompts * args.samples):.1f})"
-        print(f"{label:<34}{hf:>16,.0f}{emb:>16,.0f}{emb / hf:>7.2f}x")
+    header = ("generate tok/s", 15), ("padded tok/s", 14), ("slots tok/s", 13), ("emb/gen", 9), ("slots/pad", 10)
+    print(f"{'workload':<38}" + "".join(f"{title:>{width}}" for title, width in header))
+    workloads = [
+        ("uniform", texts, args.samples, args.tokens, True, 0),
+        ("long-tailed", texts, args.samples, args.tail_tokens, False, 0),
+        ("rollout", prompts(args.rollout_prompts), 4, 8, False, 1024),
+    ]
+    for name, batch, samples, tokens, uniform, rows in workloads:
+        shape = (model, tokenizer, batch, samples, tokens, uniform)
+        runs = {kv: functools.partial(run_embedded, *shape, kv, rows) for kv in ("padded", "slots")}
+        if rows == 0:  # generate runs one static batch; the rollout workload is larger than any batch
+            runs["generate"] = functools.partial(run_generate, *shape)
+        got = measure(runs, args.repeats)
+        (pad, emb_tokens), (slots, _) = got["padded"], got["slots"]
+        label = f"{name} (<= {tokens} tokens, mean {emb_tokens / (len(batch) * samples):.1f})"
+        generate, versus = f"{'-':>15}", f"{'-':>9}"
+        if "generate" in got:
+            hf = got["generate"][0]
+            generate, versus = f"{hf:>15,.0f}", f"{slots / hf:>8.2f}x"
+        print(f"{label:<38}{generate}{pad:>14,.0f}{slots:>13,.0f}{versus}{slots / pad:>9.2f}x")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ The interface is what the rollout stage, the vLLM engine and Ray replicas share:
 
 ``EmbeddedEngine`` runs any Hugging Face causal LM with torch on the current process: a KV-cached
 decode loop that removes a sequence from the batch the moment it finishes (so the long tail does
-not keep finished rows computing) and admits waiting sequences into the freed slots.
+not keep finished rows computing) and admits waiting sequences into the freed slots. Its KV cache
+(models/kv_cache.py) is a preallocated slot per sequence for Llama-family models, transformers' own
+cache for any other.
 
 Partial rollouts. ``should_stop`` is polled once per decode step; when it answers True the engine
 stops pulling groups and yields every sample it still holds as a *partial* sample
@@ -42,8 +44,6 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
-
-from models.policy import cache_argument, cache_of
 
 if TYPE_CHECKING:
     import torch
@@ -191,6 +191,8 @@ class _Sequence:
     @classmethod
     def of(cls, group: GroupRequest, sample_index: int) -> _Sequence:
         seq = cls(group, sample_index, sample_seed(group.sampling.seed, group.group_id, sample_index))
+        if not group.resume:
+            return seq
         carried = group.prefix(sample_index)
         if carried is not None:
             seq.started_at = carried.started_at
@@ -214,8 +216,15 @@ class _Sequence:
         )
 
 
+KVCacheKind = Literal["auto", "slots", "padded"]
+
+
 class EmbeddedEngine:
-    """Torch sampling with a KV cache on this process. Default on CPU; works with any HF causal LM."""
+    """Torch sampling with a KV cache on this process. Default on CPU; works with any HF causal LM.
+
+    ``kv_cache``: ``slots`` (Llama-family models: preallocated per-sequence slots and a decode written
+    against them), ``padded`` (transformers' own cache and forward, any causal LM), or ``auto``: slots
+    where they apply (models/kv_cache.py)."""
 
     def __init__(
         self,
@@ -225,6 +234,7 @@ class EmbeddedEngine:
         max_batch: int = 1024,
         policy_version: int = 0,
         update_kv: UpdateKV = "recompute",
+        kv_cache: KVCacheKind = "auto",
     ):
         import torch
 
@@ -236,7 +246,22 @@ class EmbeddedEngine:
         self.policy_version = policy_version
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         self.info = EngineInfo(name="embedded", version=f"torch-{torch.__version__}", dtype=dtype)
-        self._cache_kwarg = cache_argument(model)
+        self._kv_setting = kv_cache
+        if kv_cache == "slots" and (why_not := self._slots_do_not_apply()):
+            raise ValueError(f"kv_cache='slots' cannot serve this model: {why_not}")
+
+    def _slots_do_not_apply(self) -> str | None:
+        from models.kv_cache import slot_cache_applies
+
+        positions = getattr(self.model.config, "max_position_embeddings", None) or 4096
+        return slot_cache_applies(self.model, self.max_batch, positions)
+
+    @property
+    def kv_cache(self) -> str:
+        """The KV cache the next ``generate`` uses: 'slots' or 'padded' (``max_batch`` may change between calls)."""
+        if self._kv_setting == "padded" or self._slots_do_not_apply():
+            return "padded"
+        return "slots"
 
     def load_weights(self, checkpoint_dir: str, policy_version: int) -> float:
         from models.policy import load_state_dict
@@ -246,6 +271,13 @@ class EmbeddedEngine:
         self.model.load_state_dict(state)
         self.policy_version = policy_version
         return time.perf_counter() - paused
+
+    def _new_cache(self):
+        from models.kv_cache import PaddedCache, SlotCache
+
+        if self.kv_cache == "slots":
+            return SlotCache(self.model, self.max_batch, self.pad_token_id)
+        return PaddedCache(self.model, self.pad_token_id)
 
     # -- decoding ------------------------------------------------------------------------------
 
@@ -275,113 +307,86 @@ class EmbeddedEngine:
             return admitted
 
         finished = 0
+        cache = self._new_cache()
+        seqs: list[_Sequence] = []  # the live rows, in the cache's row order
+        logits = last = None  # [A, V] next-token logits; [A] the tokens sampled last step
         with torch.inference_mode():
-            batch = _Batch.empty()
             while True:
                 if should_stop is not None and should_stop():
                     now = time.time()
-                    for s in batch.seqs + waiting:
+                    for s in seqs + waiting:
                         yield s.sample(ABORT, now)
                     return
-                recomputed = False
+                recomputed = None
                 if update is not None and update.due(finished):
                     directory, version = update.take()
-                    batch, recomputed = self._swap(batch, directory, version, update)
+                    recomputed = self._swap(cache, seqs, directory, version, update)
                     update = None
-                if batch.size and not recomputed:
-                    self._decode_step(batch)  # feed the tokens sampled last step; fresh logits for all rows
-                # Refill once half the slots are free: one prefill per wave amortises its cost.
-                if batch.size <= self.max_batch // 2:
-                    admitted = pull(self.max_batch - batch.size)
+                if recomputed is not None:
+                    logits = recomputed
+                elif seqs:
+                    logits = cache.step(last)  # feed the tokens sampled last step; fresh logits for all rows
+                if len(seqs) <= self.max_batch // 2:  # refill once half the rows are free: one prefill a wave
+                    admitted = pull(self.max_batch - len(seqs))
                     if admitted:
-                        batch = batch.merge(self._prefill(admitted))
-                if not batch.size:
+                        joined = self._admit(cache, admitted)
+                        logits = torch.cat([logits, joined]) if seqs else joined
+                        seqs = seqs + admitted
+                if not seqs:
                     return
-                for sample in self._sample_and_retire(batch):
-                    finished += 1
-                    yield sample
+                tokens, logprobs = sample_tokens(logits, seqs, self.eos_token_id)
+                now = time.time()
+                keep: list[int] = []
+                for row, (s, token, logprob) in enumerate(zip(seqs, tokens.tolist(), logprobs.tolist())):
+                    s.tokens.append(token)
+                    s.logprobs.append(logprob)
+                    s.versions.append(self.policy_version)
+                    stop = token == self.eos_token_id and not s.group.sampling.ignore_eos
+                    if stop or len(s.tokens) >= s.group.sampling.max_tokens:
+                        finished += 1
+                        yield s.sample("stop" if stop else "length", now)
+                    else:
+                        keep.append(row)
+                if len(keep) < len(seqs):
+                    order = cache.retire(keep)
+                    seqs = [seqs[i] for i in order]
+                    tokens = tokens[order]
+                last = tokens
 
-    def _swap(self, batch: _Batch, directory: str, version: int, update: WeightUpdate) -> tuple[_Batch, bool]:
+    def _swap(self, cache, seqs: list[_Sequence], directory: str, version: int, update: WeightUpdate):
         """Load ``version`` between two decode steps; with ``recompute``, prefill the sequences in flight
-        again under it (their next-token logits come from that pass, so the caller skips a decode step)."""
+        again under it and return their next-token logits (the caller skips a decode step), else None."""
         from models.policy import load_state_dict
 
         state = load_state_dict(directory)  # read before pausing: only the copy and the recompute block
         paused = time.perf_counter()
         self.model.load_state_dict(state)
         self.policy_version = version
-        recompute = self.update_kv == "recompute" and batch.size > 0
-        if recompute:
+        logits = None
+        if self.update_kv == "recompute" and seqs:
             now = time.time()
-            for s in batch.seqs:  # the segment so far counts as generation time; _prefill starts the next
+            for s in seqs:  # the segment so far counts as generation time; _admit starts the next
                 s.gen_s += now - s.segment_at
-            batch = self._prefill(batch.seqs)
+            cache.clear()
+            logits = self._admit(cache, seqs)
         update.applied(time.perf_counter() - paused)
-        return batch, recompute
+        return logits
 
-    def _prefill(self, seqs: list[_Sequence]) -> _Batch:
-        """Prompt (+ the prefix of a resumed sample), left-padded: [B, width]; logits for the next token.
+    def _admit(self, cache, seqs: list[_Sequence]) -> torch.Tensor:
+        """Prefill prompt (+ the prefix of a resumed sample) of each sequence; logits [n, V] for its next token.
 
-        A group's fresh samples share their whole input, so each distinct input runs once ([D, width])
-        and its cache rows and logits are gathered to one row per sequence: an n-sample group pays
-        one prompt's prefill, not n."""
-        import torch
+        A group's fresh samples share their whole input, so each distinct input runs once and its
+        keys, values and logits are copied to one row per sequence: an n-sample group pays one
+        prompt's prefill, not n."""
+        from models.kv_cache import distinct_inputs
 
         now = time.time()
-        index: dict[tuple[int, ...], int] = {}
-        owner = []
         for s in seqs:
             s.started_at = s.started_at or now
             s.segment_at = now
-            owner.append(index.setdefault((*s.group.prompt_token_ids, *s.tokens), len(index)))
-        width = max(len(x) for x in index)
-        ids = torch.full((len(index), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(index), width), dtype=torch.long)
-        for row, x in enumerate(index):
-            ids[row, width - len(x) :] = torch.tensor(x)
-            mask[row, width - len(x) :] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
-        rows = torch.tensor(owner, dtype=torch.long)
-        cache = cache_of(out)
-        if len(index) < len(seqs):
-            cache.batch_select_indices(rows)  # [D, H, width, Dh] -> [B, H, width, Dh] per layer
-        return _Batch(seqs, cache, mask[rows], positions[rows, -1] + 1, out.logits[rows, -1, :].float())
-
-    def _decode_step(self, batch: _Batch) -> None:
-        import torch
-
-        ids = batch.last_tokens.unsqueeze(-1)  # [B, 1]
-        batch.mask = torch.cat([batch.mask, torch.ones_like(ids)], dim=-1)
-        out = self.model(
-            input_ids=ids,
-            attention_mask=batch.mask,
-            position_ids=batch.next_pos.unsqueeze(-1),
-            use_cache=True,
-            **{self._cache_kwarg: batch.cache},
-        )
-        batch.cache = cache_of(out)
-        batch.next_pos = batch.next_pos + 1
-        batch.logits = out.logits[:, -1, :].float()
-
-    def _sample_and_retire(self, batch: _Batch) -> Iterator[GeneratedSample]:
-        import torch
-
-        tokens, logprobs = sample_tokens(batch.logits, batch.seqs, self.eos_token_id)
-        batch.last_tokens = tokens
-        now = time.time()
-        keep: list[int] = []
-        for row, (s, token, logprob) in enumerate(zip(batch.seqs, tokens.tolist(), logprobs.tolist())):
-            s.tokens.append(token)
-            s.logprobs.append(logprob)
-            s.versions.append(self.policy_version)
-            stop = token == self.eos_token_id and not s.group.sampling.ignore_eos
-            if stop or len(s.tokens) >= s.group.sampling.max_tokens:
-                yield s.sample("stop" if stop else "length", now)
-            else:
-                keep.append(row)
-        if len(keep) < len(batch.seqs):
-            batch.select(torch.tensor(keep, dtype=torch.long))
+        inputs, owner = distinct_inputs([(*s.group.prompt_token_ids, *s.tokens) for s in seqs])
+        width = max(len(s.group.prompt_token_ids) + s.group.sampling.max_tokens for s in seqs)
+        return cache.admit(inputs, owner, width)
 
 
 def sample_tokens(logits: torch.Tensor, seqs: list[_Sequence], eos_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -438,81 +443,3 @@ def _top_p_filter(scaled: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
     from models.policy import nucleus_drop  # the trainer's scoring uses the same rule
 
     return scaled.masked_fill(nucleus_drop(scaled, top_ps.unsqueeze(-1)), float("-inf"))
-
-
-@dataclass
-class _Batch:
-    """The running decode batch: sequences, their KV cache and 2-D attention mask (left-padded)."""
-
-    seqs: list[_Sequence]
-    cache: object
-    mask: torch.Tensor  # [B, L] 1 for real tokens
-    next_pos: torch.Tensor  # [B] position id of the next token
-    logits: torch.Tensor  # [B, V] logits for the next token
-    last_tokens: torch.Tensor | None = None
-
-    @classmethod
-    def empty(cls) -> _Batch:
-        return cls([], None, None, None, None)  # type: ignore[arg-type]
-
-    @property
-    def size(self) -> int:
-        return len(self.seqs)
-
-    def select(self, rows: torch.Tensor) -> None:
-        self.seqs = [self.seqs[i] for i in rows.tolist()]
-        if not self.seqs:
-            self.cache = None
-            return
-        self.cache.batch_select_indices(rows)
-        self.mask, self.next_pos, self.logits = self.mask[rows], self.next_pos[rows], self.logits[rows]
-        self.last_tokens = self.last_tokens[rows]
-        self._trim()
-
-    def _trim(self) -> None:
-        """Drop the leading columns no remaining row uses. Rows are left-padded, so once the longest
-        sequence has left, its padding is all that is left of those columns; without this the mask and
-        cache keep growing one column per step for as long as the batch keeps running (refilled waves
-        never empty it), and every step and every merge pays for the whole history."""
-        import torch
-
-        used = self.mask.any(dim=0)  # [L]
-        first = int(used.to(torch.int8).argmax())
-        if first == 0:
-            return
-        self.mask = self.mask[:, first:]
-        for layer in self.cache.layers:
-            layer.keys = layer.keys[:, :, first:, :]
-            layer.values = layer.values[:, :, first:, :]
-
-    def merge(self, new: _Batch) -> _Batch:
-        """Join a freshly prefilled wave to the running batch; both must have logits ready.
-
-        Rows of different lengths share one cache by left-padding the shorter side with masked zeros.
-        """
-        if not self.seqs:
-            return new
-        import torch
-        from transformers import DynamicCache
-
-        width = max(self.mask.shape[1], new.mask.shape[1])
-
-        def pad(t: torch.Tensor, dim: int) -> torch.Tensor:
-            missing = width - t.shape[dim]
-            if missing == 0:
-                return t
-            shape = list(t.shape)
-            shape[dim] = missing
-            return torch.cat([t.new_zeros(shape), t], dim=dim)
-
-        layers = [
-            (torch.cat([pad(a.keys, 2), pad(b.keys, 2)]), torch.cat([pad(a.values, 2), pad(b.values, 2)]))
-            for a, b in zip(self.cache.layers, new.cache.layers)
-        ]
-        return _Batch(
-            self.seqs + new.seqs,
-            DynamicCache(ddp_cache_data=layers),
-            torch.cat([pad(self.mask, 1), pad(new.mask, 1)]),
-            torch.cat([self.next_pos, new.next_pos]),
-            torch.cat([self.logits, new.logits]),
-        )

@@ -129,6 +129,10 @@ def generate_and_verify(
     start = time.time()
 
     skipped = 0
+    # Prompts recur within a round and completions far more (a few distinct answers per prompt), so
+    # each distinct text is tokenized once and each distinct completion decoded once.
+    encoded: dict[str, tuple[int, ...]] = {}
+    decoded: dict[tuple[int, ...], str] = {}
 
     def fresh():
         nonlocal skipped
@@ -140,7 +144,9 @@ def generate_and_verify(
                 if admitted(seed, position, weight):
                     break
                 skipped += 1
-            ids = tuple(tokenizer(prompt.text)["input_ids"])
+            ids = encoded.get(prompt.text)
+            if ids is None:
+                ids = encoded[prompt.text] = tuple(tokenizer(prompt.text)["input_ids"])
             if max_context is not None and len(ids) + rollout.max_tokens > max_context:
                 raise PromptError(
                     context_overflow(prompts.source, prompt.prompt_id, len(ids), rollout.max_tokens, max_context)
@@ -165,7 +171,11 @@ def generate_and_verify(
         return group_is_trainable(rows, filtering, policy_version)
 
     def decode(token_ids: list[int]) -> str:
-        return tokenizer.decode(token_ids, skip_special_tokens=True)
+        key = tuple(token_ids)
+        text = decoded.get(key)
+        if text is None:
+            text = decoded[key] = tokenizer.decode(token_ids, skip_special_tokens=True)
+        return text
 
     if verify.on_ray:
         from tasks.engines import Placement, connect_ray

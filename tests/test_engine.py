@@ -15,13 +15,19 @@ def policy(tiny_policy_dir):
     return load_policy(tiny_policy_dir)
 
 
+@pytest.fixture(params=["slots", "padded"])
+def kv(request):
+    """Every engine test runs on both KV caches (models/kv_cache.py)."""
+    return request.param
+
+
 def _requests(tokenizer, n, params, prefix="g"):
     return [GroupRequest(f"{prefix}{i}", tuple(tokenizer(p)["input_ids"]), n, params) for i, p in enumerate(PROMPTS)]
 
 
-def test_greedy_matches_transformers_generate(policy):
+def test_greedy_matches_transformers_generate(policy, kv):
     model, tok = policy
-    engine = EmbeddedEngine(model, tok.eos_token_id, tok.pad_token_id, max_batch=2)  # forces refills
+    engine = EmbeddedEngine(model, tok.eos_token_id, tok.pad_token_id, max_batch=2, kv_cache=kv)  # forces refills
     got = {
         s.group_id: s.token_ids
         for s in engine.generate(_requests(tok, 1, SamplingParams(temperature=0.0, max_tokens=6)))
@@ -39,20 +45,20 @@ def test_greedy_matches_transformers_generate(policy):
         assert got[f"g{i}"] == expected
 
 
-def test_samples_do_not_depend_on_batching(policy):
+def test_samples_do_not_depend_on_batching(policy, kv):
     model, tok = policy
     params = SamplingParams(temperature=1.0, max_tokens=8, seed=7)
     runs = []
     for max_batch in (3, 64):
-        engine = EmbeddedEngine(model, tok.eos_token_id, tok.pad_token_id, max_batch=max_batch)
+        engine = EmbeddedEngine(model, tok.eos_token_id, tok.pad_token_id, max_batch=max_batch, kv_cache=kv)
         runs.append({(s.group_id, s.sample_index): s.token_ids for s in engine.generate(_requests(tok, 4, params))})
     assert runs[0] == runs[1]
     assert len(runs[0]) == len(PROMPTS) * 4
 
 
-def test_behaviour_logprobs_match_the_trainer(policy):
+def test_behaviour_logprobs_match_the_trainer(policy, kv):
     model, tok = policy
-    engine = EmbeddedEngine(model, tok.eos_token_id, tok.pad_token_id, max_batch=8)
+    engine = EmbeddedEngine(model, tok.eos_token_id, tok.pad_token_id, max_batch=8, kv_cache=kv)
     samples = list(engine.generate(_requests(tok, 3, SamplingParams(temperature=0.7, max_tokens=8, seed=1))))
     batch = pack_sequences(
         [list(s.prompt_token_ids) for s in samples], [s.token_ids for s in samples], tok.pad_token_id
@@ -65,9 +71,9 @@ def test_behaviour_logprobs_match_the_trainer(policy):
         assert torch.allclose(got, torch.tensor(s.logprobs), atol=1e-4)
 
 
-def test_finish_reasons_and_policy_versions(policy):
+def test_finish_reasons_and_policy_versions(policy, kv):
     model, tok = policy
-    engine = EmbeddedEngine(model, tok.eos_token_id, tok.pad_token_id, policy_version=3)
+    engine = EmbeddedEngine(model, tok.eos_token_id, tok.pad_token_id, policy_version=3, kv_cache=kv)
     samples = list(engine.generate(_requests(tok, 2, SamplingParams(temperature=1.0, max_tokens=3, seed=2))))
     for s in samples:
         assert s.finish_reason in ("stop", "length")
@@ -76,18 +82,18 @@ def test_finish_reasons_and_policy_versions(policy):
         assert s.finished_at >= s.started_at
 
 
-def test_ignore_eos_generates_exactly_max_tokens(policy):
+def test_ignore_eos_generates_exactly_max_tokens(policy, kv):
     model, tok = policy
-    engine = EmbeddedEngine(model, tok.eos_token_id, tok.pad_token_id)
+    engine = EmbeddedEngine(model, tok.eos_token_id, tok.pad_token_id, kv_cache=kv)
     samples = list(
         engine.generate(_requests(tok, 2, SamplingParams(temperature=1.0, max_tokens=5, seed=3, ignore_eos=True)))
     )
     assert all(len(s.token_ids) == 5 and tok.eos_token_id not in s.token_ids for s in samples)
 
 
-def test_top_p_keeps_only_the_nucleus(policy):
+def test_top_p_keeps_only_the_nucleus(policy, kv):
     model, tok = policy
-    engine = EmbeddedEngine(model, tok.eos_token_id, tok.pad_token_id)
+    engine = EmbeddedEngine(model, tok.eos_token_id, tok.pad_token_id, kv_cache=kv)
     # top_p tiny: only the most likely token survives, so sampling equals greedy
     tiny = {
         s.group_id: s.token_ids
@@ -159,7 +165,7 @@ def _teacher_forced(model, sample, temperature, banned: int):
     return logp[len(sample.prompt_token_ids) - 1 :]
 
 
-def test_stopped_samples_come_back_partial_and_resume_under_new_weights(policy, tmp_path):
+def test_stopped_samples_come_back_partial_and_resume_under_new_weights(policy, tmp_path, kv):
     from models.policy import save_policy
 
     model, tok = policy
@@ -167,7 +173,7 @@ def test_stopped_samples_come_back_partial_and_resume_under_new_weights(policy, 
     import copy
 
     # 1 sample waits; weights change below
-    engine = EmbeddedEngine(copy.deepcopy(model), tok.eos_token_id, tok.pad_token_id, max_batch=3)
+    engine = EmbeddedEngine(copy.deepcopy(model), tok.eos_token_id, tok.pad_token_id, max_batch=3, kv_cache=kv)
     steps = 0
 
     def stop_after_five_steps() -> bool:
@@ -210,10 +216,10 @@ def test_stopped_samples_come_back_partial_and_resume_under_new_weights(policy, 
             assert not torch.allclose(got[k:], old[k:], atol=1e-2)  # the new weights did sample the suffix
 
 
-def test_a_resumed_sample_is_reproducible_and_equals_an_uninterrupted_one_under_the_same_weights(policy):
+def test_a_resumed_sample_is_reproducible_and_equals_an_uninterrupted_one_under_the_same_weights(policy, kv):
     model, tok = policy
     params = SamplingParams(temperature=1.0, max_tokens=10, seed=21)
-    engine = EmbeddedEngine(model, tok.eos_token_id, tok.pad_token_id, max_batch=64)
+    engine = EmbeddedEngine(model, tok.eos_token_id, tok.pad_token_id, max_batch=64, kv_cache=kv)
     requests = _requests(tok, 3, params)
     whole = {(s.group_id, s.sample_index): s for s in engine.generate(requests)}
     steps = 0
@@ -241,24 +247,23 @@ def test_a_resumed_sample_is_reproducible_and_equals_an_uninterrupted_one_under_
             assert torch.allclose(torch.tensor(s.logprobs), torch.tensor(whole[k].logprobs), atol=1e-5)
 
 
-def test_resume_rejects_samples_that_are_not_this_groups_partial_ones(policy):
+def test_resume_rejects_samples_that_are_not_this_groups_partial_ones(policy, kv):
     model, tok = policy
-    engine = EmbeddedEngine(model, tok.eos_token_id, tok.pad_token_id)
+    engine = EmbeddedEngine(model, tok.eos_token_id, tok.pad_token_id, kv_cache=kv)
     params = SamplingParams(max_tokens=4, seed=1)
     done = next(iter(engine.generate(_requests(tok, 1, params)[:1])))
     with pytest.raises(ValueError, match="only this group's partial samples"):
         list(engine.generate([GroupRequest("g0", done.prompt_token_ids, 1, params, (done,))]))
 
 
-def test_a_group_prefills_its_prompt_once(policy):
+def test_a_group_prefills_its_prompt_once(policy, kv):
     """The n samples of a fresh group share one prompt row in the prefill, and still sample as if each
     had its own (same tokens and logprobs as groups of one sample seeded alike)."""
     model, tok = policy
-    engine = EmbeddedEngine(model, tok.eos_token_id, tok.pad_token_id, max_batch=64)
+    engine = EmbeddedEngine(model, tok.eos_token_id, tok.pad_token_id, max_batch=64, kv_cache=kv)
     prefill_rows = []
-    hook = model.register_forward_pre_hook(
-        lambda _m, _a, kw: prefill_rows.append(kw["input_ids"].shape[0]) if kw["input_ids"].shape[1] > 1 else None,
-        with_kwargs=True,
+    hook = model.model.embed_tokens.register_forward_pre_hook(  # a prefill embeds [rows, width > 1]
+        lambda _m, args: prefill_rows.append(args[0].shape[0]) if args[0].dim() == 2 and args[0].shape[1] > 1 else None
     )
     try:
         params = SamplingParams(temperature=1.0, max_tokens=8, seed=5)
@@ -269,8 +274,86 @@ def test_a_group_prefills_its_prompt_once(policy):
         hook.remove()
     assert prefill_rows == [len(PROMPTS)]  # one row per prompt, not per sample
     assert len(shared) == len(PROMPTS) * 4
-    lone = EmbeddedEngine(model, tok.eos_token_id, tok.pad_token_id, max_batch=1)  # each sample prefilled alone
+    # each sample prefilled alone
+    lone = EmbeddedEngine(model, tok.eos_token_id, tok.pad_token_id, max_batch=1, kv_cache=kv)
     alone = {(s.group_id, s.sample_index): (s.token_ids, s.logprobs) for s in lone.generate(_requests(tok, 4, params))}
     for key, (tokens, logprobs) in alone.items():
         assert shared[key][0] == tokens
         assert torch.allclose(torch.tensor(shared[key][1]), torch.tensor(logprobs), atol=1e-5)
+
+
+# -- the two KV caches --------------------------------------------------------------------------------
+
+
+def _samples(engine, requests):
+    return {(s.group_id, s.sample_index): s for s in engine.generate(requests)}
+
+
+def _same_samples(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key, s in a.items():
+        assert s.token_ids == b[key].token_ids, key
+        assert torch.allclose(torch.tensor(s.logprobs), torch.tensor(b[key].logprobs), atol=1e-4), key
+
+
+def test_slot_and_padded_caches_sample_the_same_tokens_with_the_same_logprobs(policy):
+    """Rows join and leave at different steps (max_batch 5 < 20 samples, eos ends them unevenly), so
+    slots are reused and moved; the padded cache is transformers' own forward, the reference."""
+    model, tok = policy
+    requests = _requests(tok, 4, SamplingParams(temperature=1.0, max_tokens=12, seed=13))
+    runs = [
+        _samples(EmbeddedEngine(model, tok.eos_token_id, tok.pad_token_id, max_batch=5, kv_cache=kv), requests)
+        for kv in ("slots", "padded")
+    ]
+    assert len({len(s.token_ids) for s in runs[0].values()}) > 1  # lengths differ: rows left mid-batch
+    _same_samples(*runs)
+
+
+def test_slot_cache_serves_a_qwen2_model_as_transformers_does():
+    """Grouped-query heads and biased q/k/v projections (Qwen2) through the slot cache."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from models.tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    torch.manual_seed(3)
+    config = Qwen2Config(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, pad_token_id=tok.pad_token_id,
+    )
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:  # random biases: zero ones would not test that they are applied
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    requests = _requests(tok, 3, SamplingParams(temperature=1.0, max_tokens=8, seed=2))
+    slots = EmbeddedEngine(model, tok.eos_token_id, tok.pad_token_id, max_batch=4)
+    assert slots.kv_cache == "slots"
+    padded = EmbeddedEngine(model, tok.eos_token_id, tok.pad_token_id, max_batch=4, kv_cache="padded")
+    _same_samples(_samples(slots, requests), _samples(padded, requests))
+
+
+def test_other_architectures_fall_back_to_the_padded_cache_and_say_why_slots_do_not_apply():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from models.kv_cache import slot_cache_applies
+    from models.tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=1, n_head=2, n_positions=64)).eval()
+    assert "gpt2" in slot_cache_applies(model, 8, 64)
+    engine = EmbeddedEngine(model, tok.eos_token_id, tok.pad_token_id)
+    assert engine.kv_cache == "padded"
+    samples = list(engine.generate(_requests(tok, 2, SamplingParams(temperature=1.0, max_tokens=4, seed=1))))
+    assert len(samples) == len(PROMPTS) * 2
+    with pytest.raises(ValueError, match="cannot serve this model: model type 'gpt2'"):
+        EmbeddedEngine(model, tok.eos_token_id, tok.pad_token_id, kv_cache="slots")
+
+
+def test_the_slot_cache_stays_within_its_memory_budget(policy):
+    from models.kv_cache import SLOT_BUDGET_BYTES, slot_bytes, slot_cache_applies
+
+    model, _ = policy
+    assert slot_cache_applies(model, 1024, 64) is None
+    too_many = SLOT_BUDGET_BYTES // slot_bytes(model, 1, 64) + 1
+    assert "GiB of cache" in slot_cache_applies(model, too_many, 64)

@@ -1,0 +1,342 @@
+"""The embedded engine's KV caches: the running batch's keys and values, as sequences join and leave it.
+
+Both kinds answer the same four calls, which is all the engine's decode loop (models/engine.py) asks:
+
+    admit(inputs, owner, widths) -> logits [n, V]   prefill the distinct inputs once, one row per owner
+    step(tokens)                 -> logits [A, V]   feed one token to each of the A live rows
+    retire(keep)                 -> order           keep these rows; order[i] is the old row now at i
+    live                                            rows held
+
+``SlotCache`` (Llama-family models, the default wherever it applies): each layer's keys and values
+live in one preallocated buffer [slots, width, kv_heads, head_dim]. A sequence owns a slot and holds
+its tokens at positions 0..n-1 of it, unpadded; a decode step writes one column per row in place.
+The live rows are always slots 0..A-1: when some finish, the last live rows move into the holes (a
+copy of the moved rows only) and joining rows take the slots after A. The forward calls the model's
+own modules (embeddings, norms, projections, MLP, rotary table), so the weights loaded into the
+model are the weights served; only attention over the slot buffer is written here.
+
+``PaddedCache`` (any other causal LM): transformers' own cache and forward, left-padded. Every
+decode step grows each layer's cache by one column (a copy of the whole cache), and every join or
+leave copies the whole batch's cache. On the default task's rollout that bookkeeping cost a quarter
+of the stage; ``benchmarks/engine.py`` compares the two.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from models.policy import cache_argument, cache_of
+
+if TYPE_CHECKING:
+    import torch
+
+SLOT_ARCHITECTURES = ("llama", "qwen2")
+"""Model types whose decoder layer is the one SlotCache reproduces (pre-norm attention and MLP,
+rotary positions, optional grouped-query heads, q/k/v/o projections with or without bias)."""
+
+SLOT_ROPE_TYPES = ("default", "linear", "llama3")
+"""Rotary variants whose table depends on the position only (not on the sequence length seen)."""
+
+SLOT_BUDGET_BYTES = 2 << 30
+"""The most memory a slot cache may preallocate; beyond it (long contexts x many slots) the dynamic
+cache, which holds only what the live rows use, is the better trade."""
+
+
+def slot_cache_applies(model: Any, slots: int, width: int) -> str | None:
+    """None if ``SlotCache`` can serve this model for ``slots`` rows of up to ``width`` positions, else
+    the reason it cannot."""
+    cfg = model.config
+    if getattr(cfg, "model_type", None) not in SLOT_ARCHITECTURES:
+        return f"model type {getattr(cfg, 'model_type', None)!r} is not one of {SLOT_ARCHITECTURES}"
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in SLOT_ROPE_TYPES:
+        return f"rotary type {rope_type!r} depends on the sequence length"
+    if getattr(cfg, "use_sliding_window", False) or getattr(cfg, "pretraining_tp", 1) != 1:
+        return "sliding-window attention or tensor-parallel pretraining layers"
+    needed = slot_bytes(model, slots, width)
+    if needed > SLOT_BUDGET_BYTES:
+        return f"{slots} slots x {width} positions need {needed / 2**30:.1f} GiB of cache"
+    return None
+
+
+def slot_bytes(model: Any, slots: int, width: int) -> int:
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    element = next(model.parameters()).element_size()
+    return 2 * cfg.num_hidden_layers * slots * cfg.num_key_value_heads * width * head_dim * element
+
+
+def distinct_inputs(inputs: list[tuple[int, ...]]) -> tuple[list[tuple[int, ...]], list[int]]:
+    """(distinct inputs, the index of each input's distinct row): identical inputs prefill once."""
+    index: dict[tuple[int, ...], int] = {}
+    owner = [index.setdefault(x, len(index)) for x in inputs]
+    return list(index), owner
+
+
+class SlotCache:
+    """Preallocated per-slot keys and values and a decode written against them (module doc)."""
+
+    def __init__(self, model: Any, slots: int, pad_token_id: int):
+        import torch
+
+        cfg = model.config
+        self.model = model
+        self.slots = slots
+        self.pad_token_id = pad_token_id
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.scale = model.model.layers[0].self_attn.scaling
+        self.dtype = next(model.parameters()).dtype
+        self.width = 0
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.lengths = torch.zeros(slots, dtype=torch.long)  # tokens held per slot
+        self.live = 0
+
+    def _reserve(self, width: int) -> None:
+        """Room for ``width`` positions per slot; grows (rarely: to the longest input + max_tokens) by copy."""
+        import torch
+
+        if width <= self.width:
+            return
+        width = -(-width // 8) * 8
+        shape = (self.slots, width, self.kv_heads, self.head_dim)
+        layers = len(self.model.model.layers)
+        grown = [torch.zeros(shape, dtype=self.dtype) for _ in range(2 * layers)]
+        for old, new in zip(self.keys + self.values, grown):
+            new[: self.live, : self.width] = old[: self.live]
+        self.keys, self.values = grown[:layers], grown[layers:]
+        positions = torch.arange(width).unsqueeze(0)
+        cos, sin = self.model.model.rotary_emb(torch.zeros(1, dtype=self.dtype), positions)
+        self.cos, self.sin = cos[0], sin[0]  # [width, head_dim]
+        self.width = width
+
+    def admit(self, inputs: list[tuple[int, ...]], owner: list[int], width: int) -> torch.Tensor:
+        """Prefill ``inputs`` (distinct token sequences) into new slots A..A+n-1, slot A+i continuing
+        ``inputs[owner[i]]``; room is reserved for ``width`` positions. Logits [n, V] for each row's next token."""
+        import torch
+        import torch.nn.functional as F
+
+        n = len(owner)
+        if self.live + n > self.slots:
+            raise ValueError(f"{self.live} live rows + {n} joining exceed {self.slots} slots")
+        self._reserve(width)
+        lengths = torch.tensor([len(x) for x in inputs])
+        span = int(lengths.max())
+        ids = torch.full((len(inputs), span), self.pad_token_id, dtype=torch.long)
+        for row, x in enumerate(inputs):
+            ids[row, : len(x)] = torch.tensor(x)
+        # query i sees keys j <= i of its own input; right padding sits after every real key
+        keys_seen = torch.arange(span)
+        mask = (keys_seen <= keys_seen.unsqueeze(-1)) & (keys_seen < lengths.view(-1, 1, 1))  # [D, span, span]
+        rows = torch.tensor(owner, dtype=torch.long)
+        slots = slice(self.live, self.live + n)
+        hidden = self.model.model.embed_tokens(ids)  # [D, span, hidden]
+        cos, sin = self.cos[:span].unsqueeze(1), self.sin[:span].unsqueeze(1)  # [span, 1, head_dim]
+        for layer, keys, values in zip(self.model.model.layers, self.keys, self.values):
+            q, k, v = self._project(layer, hidden, cos, sin)  # [D, span, heads, head_dim]
+            keys[slots, :span] = k[rows]
+            values[slots, :span] = v[rows]
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                attn_mask=mask.unsqueeze(1),
+                scale=self.scale,
+                enable_gqa=self.kv_heads != self.heads,
+            ).transpose(1, 2)  # [D, span, heads, head_dim]
+            hidden = self._finish_layer(layer, hidden, out)
+        last = hidden[torch.arange(len(inputs)), lengths - 1]  # [D, hidden]
+        self.lengths[slots] = lengths[rows]
+        self.live += n
+        return self._logits(last)[rows]
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed ``tokens`` [A] (one per live row, in slot order); logits [A, V] for the token after."""
+        import torch
+
+        live = self.live
+        positions = self.lengths[:live]
+        span = int(positions.max()) + 1
+        hidden_mask = torch.arange(span) > positions.unsqueeze(-1)  # [A, span] True: not this row's key
+        at = torch.arange(live) * self.width + positions  # each row's new column, in the flattened buffer
+        hidden = self.model.model.embed_tokens(tokens).unsqueeze(1)  # [A, 1, hidden]
+        cos, sin = self.cos[positions].view(live, 1, 1, -1), self.sin[positions].view(live, 1, 1, -1)
+        for layer, keys, values in zip(self.model.model.layers, self.keys, self.values):
+            q, k, v = self._project(layer, hidden, cos, sin)  # [A, 1, heads, head_dim]
+            keys.view(-1, self.kv_heads, self.head_dim).index_copy_(0, at, k[:, 0])
+            values.view(-1, self.kv_heads, self.head_dim).index_copy_(0, at, v[:, 0])
+            out = self._attend_one(q, keys[:live, :span], values[:live, :span], hidden_mask)
+            hidden = self._finish_layer(layer, hidden, out)
+        self.lengths[:live] += 1
+        return self._logits(hidden[:, 0])
+
+    def _attend_one(self, q, keys, values, hidden_mask) -> torch.Tensor:
+        """One query per row over its own keys: q [A, 1, heads, Dh], keys/values [A, span, kv_heads, Dh].
+
+        Elementwise products and sums: with one query and a few keys per row, a batched matmul or the
+        fused attention kernel spends its time on per-row set-up (measured: twice as slow here)."""
+        live, span = keys.shape[:2]
+        group = self.heads // self.kv_heads
+        q = q.view(live, 1, self.kv_heads, group, self.head_dim)
+        scores = (q * keys.unsqueeze(3)).sum(-1) * self.scale  # [A, span, kv_heads, group]
+        weights = scores.masked_fill(hidden_mask.view(live, span, 1, 1), float("-inf")).softmax(1)
+        out = (weights.unsqueeze(-1) * values.unsqueeze(3)).sum(1)  # [A, kv_heads, group, Dh]
+        return out.view(live, 1, self.heads, self.head_dim)
+
+    def retire(self, keep: list[int]) -> list[int]:
+        """Keep rows ``keep``; the last live rows fill the holes the others leave."""
+        import torch
+
+        remaining = len(keep)
+        kept = set(keep)
+        holes = [row for row in range(remaining) if row not in kept]
+        movers = [row for row in keep if row >= remaining]
+        order = list(range(remaining))
+        if holes:
+            to, src = torch.tensor(holes), torch.tensor(movers)
+            for buffer in self.keys + self.values:
+                buffer.index_copy_(0, to, buffer.index_select(0, src))
+            self.lengths[to] = self.lengths[src]
+            for hole, mover in zip(holes, movers):
+                order[hole] = mover
+        self.live = remaining
+        return order
+
+    def clear(self) -> None:
+        self.live = 0
+
+    # -- the layer, as the model's modules compute it ---------------------------------------------
+
+    def _project(self, layer: Any, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """q, k, v [B, T, heads, Dh] of ``hidden`` [B, T, hidden], rotated at the positions of cos and sin."""
+        attn = layer.self_attn
+        x = layer.input_layernorm(hidden)
+        batch, span = x.shape[:2]
+        q = attn.q_proj(x).view(batch, span, self.heads, self.head_dim)
+        k = attn.k_proj(x).view(batch, span, self.kv_heads, self.head_dim)
+        v = attn.v_proj(x).view(batch, span, self.kv_heads, self.head_dim)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin), v
+
+    def _finish_layer(self, layer: Any, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        batch, span = hidden.shape[:2]
+        hidden = hidden + layer.self_attn.o_proj(attended.reshape(batch, span, -1))
+        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(self.model.model.norm(hidden)).float()
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary positions, as transformers' ``apply_rotary_pos_emb`` computes them."""
+    import torch
+
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class PaddedCache:
+    """transformers' cache and forward for any causal LM, left-padded (module doc)."""
+
+    def __init__(self, model: Any, pad_token_id: int):
+        self.model = model
+        self.pad_token_id = pad_token_id
+        self._cache_kwarg = cache_argument(model)
+        self.clear()
+
+    @property
+    def live(self) -> int:
+        return 0 if self.mask is None else self.mask.shape[0]
+
+    def clear(self) -> None:
+        self.cache = self.mask = self.next_pos = None
+
+    def admit(self, inputs: list[tuple[int, ...]], owner: list[int], width: int) -> torch.Tensor:
+        import torch
+
+        span = max(len(x) for x in inputs)
+        ids = torch.full((len(inputs), span), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(inputs), span), dtype=torch.long)
+        for row, x in enumerate(inputs):
+            ids[row, span - len(x) :] = torch.tensor(x)
+            mask[row, span - len(x) :] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+        rows = torch.tensor(owner, dtype=torch.long)
+        cache = cache_of(out)
+        if len(inputs) < len(owner):
+            cache.batch_select_indices(rows)  # [D, H, span, Dh] -> [n, H, span, Dh] per layer
+        self._join(cache, mask[rows], positions[rows, -1] + 1)
+        return out.logits[rows, -1, :].float()
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        import torch
+
+        ids = tokens.unsqueeze(-1)  # [A, 1]
+        self.mask = torch.cat([self.mask, torch.ones_like(ids)], dim=-1)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=self.mask,
+            position_ids=self.next_pos.unsqueeze(-1),
+            use_cache=True,
+            **{self._cache_kwarg: self.cache},
+        )
+        self.cache = cache_of(out)
+        self.next_pos = self.next_pos + 1
+        return out.logits[:, -1, :].float()
+
+    def retire(self, keep: list[int]) -> list[int]:
+        import torch
+
+        if not keep:
+            self.clear()
+            return keep
+        rows = torch.tensor(keep, dtype=torch.long)
+        self.cache.batch_select_indices(rows)
+        self.mask, self.next_pos = self.mask[rows], self.next_pos[rows]
+        self._trim()
+        return keep
+
+    def _trim(self) -> None:
+        """Drop the leading columns no remaining row uses. Rows are left-padded, so once the longest
+        sequence has left, its padding is all that is left of those columns; without this the mask and
+        cache keep growing one column per step for as long as the batch keeps running (refilled waves
+        never empty it), and every step and every join pays for the whole history."""
+        import torch
+
+        used = self.mask.any(dim=0)  # [L]
+        first = int(used.to(torch.int8).argmax())
+        if first == 0:
+            return
+        self.mask = self.mask[:, first:]
+        for layer in self.cache.layers:
+            layer.keys = layer.keys[:, :, first:, :]
+            layer.values = layer.values[:, :, first:, :]
+
+    def _join(self, cache: Any, mask: torch.Tensor, next_pos: torch.Tensor) -> None:
+        """Join a freshly prefilled wave to the live rows: the shorter side is left-padded with masked zeros."""
+        if self.mask is None:
+            self.cache, self.mask, self.next_pos = cache, mask, next_pos
+            return
+        import torch
+        from transformers import DynamicCache
+
+        width = max(self.mask.shape[1], mask.shape[1])
+
+        def pad(t: torch.Tensor, dim: int) -> torch.Tensor:
+            missing = width - t.shape[dim]
+            if missing == 0:
+                return t
+            shape = list(t.shape)
+            shape[dim] = missing
+            return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+        layers = [
+            (torch.cat([pad(a.keys, 2), pad(b.keys, 2)]), torch.cat([pad(a.values, 2), pad(b.values, 2)]))
+            for a, b in zip(self.cache.layers, cache.layers)
+        ]
+        self.cache = DynamicCache(ddp_cache_data=layers)
+        self.mask = torch.cat([pad(self.mask, 1), pad(mask, 1)])
+        self.next_pos = torch.cat([self.next_pos, next_pos])

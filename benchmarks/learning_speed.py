@@ -60,7 +60,7 @@ def run_campaign(config, storage: str, target: float, label: str) -> dict:
     round_seconds = [entry["seconds"] for entry in history[1:]]
     outside = wall - sum(round_seconds)
     reached = next((i for i, entry in enumerate(history[1:]) if entry["accuracy"] >= target), None)
-    steps = config.round.train.steps_per_round
+    steps = config.round.train.steps_per_round * config.round.train.epochs  # optimizer steps a round
     stage_keys = sorted({k for m in metrics for k in m if k.startswith("time/")})
     figures = {
         "label": label,

@@ -54,7 +54,7 @@ def _round_config(train: dict, top_p: float = 1.0, groups: int = 4):
         {
             "verify": {"verifier": "coin"},
             "rollout": {"samples_per_prompt": 4, "max_tokens": 4, "top_p": top_p},
-            "train": {"groups_per_step": groups, "steps_per_round": 1, **train},
+            "train": {"groups_per_step": groups, "steps_per_round": 1, "epochs": 1, **train},
         }
     )
 
@@ -277,6 +277,32 @@ def test_mismatch_is_measured_on_every_minibatch(tiny_policy_dir, recompute):
     assert stats["train/mismatch_mean_abs"] == pytest.approx(0.25, abs=tolerance)
     assert stats["train/mismatch_max_abs"] == pytest.approx(0.5, abs=tolerance)
     assert stats["train/mismatch_tokens"] == 12
+
+
+@pytest.mark.parametrize("recompute", [True, False])
+def test_epochs_repeat_the_rounds_minibatches_in_order(tiny_policy_dir, recompute):
+    """Two passes over [a, b] are the updates of one pass over [a, b, a, b], with the proximal logprobs
+    of the sampling weights; the mismatch figure is the first pass's, the staleness counts every step."""
+    import copy
+
+    import torch
+
+    from models.policy import load_policy
+    from tasks.train import TrainBatch, TrainConfig, train_policy
+
+    model, tokenizer = load_policy(tiny_policy_dir)
+    prompt = [tokenizer.bos_token_id, 3, 4, 13]
+    a = TrainBatch([prompt] * 2, [[5, 6, 7], [8, 9, 2]], [[-2.0] * 3] * 2, [1.0, -1.0], [[0] * 3] * 2, [1.0] * 2, 3)
+    b = TrainBatch([prompt] * 2, [[9, 5, 2], [6, 6, 6]], [[-2.5] * 3] * 2, [-1.0, 1.0], [[0] * 3] * 2, [1.0] * 2, 3)
+    twice, once = copy.deepcopy(model), copy.deepcopy(model)
+    _, stats = train_policy(twice, tokenizer.pad_token_id, [a, b], TrainConfig(epochs=2), 1.0, None, 0, recompute)
+    _, flat = train_policy(once, tokenizer.pad_token_id, [a, b, a, b], TrainConfig(epochs=1), 1.0, None, 0, recompute)
+    for p, q in zip(twice.parameters(), once.parameters()):
+        assert torch.equal(p, q)
+    assert not all(torch.equal(p, q) for p, q in zip(twice.parameters(), model.parameters()))
+    assert stats["train/steps"] == 4 and stats["train/samples"] == 8
+    assert stats["train/staleness_max_steps"] == 3
+    assert stats["train/mismatch_tokens"] == 12 and flat["train/mismatch_tokens"] == 24
 
 
 # -- freshness: lag in policy versions and divergence from the behaviour policy ------------------------

@@ -357,3 +357,26 @@ def test_the_slot_cache_stays_within_its_memory_budget(policy):
     assert slot_cache_applies(model, 1024, 64) is None
     too_many = SLOT_BUDGET_BYTES // slot_bytes(model, 1, 64) + 1
     assert "GiB of cache" in slot_cache_applies(model, too_many, 64)
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_slot_and_padded_caches_give_the_same_logits_at_each_precision(tiny_policy_dir, dtype, tolerance):
+    """The caches side by side: one prefill of inputs of different lengths, then decode steps with rows
+    leaving between them. In bfloat16 they agree to its rounding."""
+    from models.kv_cache import PaddedCache, SlotCache, distinct_inputs
+
+    model, tok = load_policy(tiny_policy_dir, dtype="bfloat16" if dtype == torch.bfloat16 else "float32")
+    inputs, owner = distinct_inputs([tuple(tok(p)["input_ids"]) for p in PROMPTS for _ in range(2)])
+    slots, padded = SlotCache(model, 16, tok.pad_token_id), PaddedCache(model, tok.pad_token_id)
+    with torch.inference_mode():
+        got = [cache.admit(inputs, owner, 16) for cache in (slots, padded)]
+        assert torch.allclose(got[0], got[1], atol=tolerance)
+        rows = list(range(len(owner)))
+        for step in range(4):
+            tokens = torch.tensor([3 + (row + step) % 10 for row in rows])
+            got = [slots.step(tokens), padded.step(tokens)]
+            assert torch.allclose(got[0], got[1], atol=tolerance), step
+            keep = [i for i in range(len(rows)) if (i + step) % 3]  # a third of the rows leave each step
+            order = slots.retire(keep)  # the slot cache moves rows; the padded one keeps the order it is given
+            assert sorted(order) == keep and padded.retire(order) == order
+            rows = [rows[i] for i in order]

@@ -247,21 +247,21 @@ class EmbeddedEngine:
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         self.info = EngineInfo(name="embedded", version=f"torch-{torch.__version__}", dtype=dtype)
         self._kv_setting = kv_cache
-        if kv_cache == "slots" and (why_not := self._slots_do_not_apply()):
-            raise ValueError(f"kv_cache='slots' cannot serve this model: {why_not}")
-
-    def _slots_do_not_apply(self) -> str | None:
-        from models.kv_cache import slot_cache_applies
-
-        positions = getattr(self.model.config, "max_position_embeddings", None) or 4096
-        return slot_cache_applies(self.model, self.max_batch, positions)
+        self.kv_cache  # noqa: B018 -- fails now, not at the first generate, if 'slots' cannot serve the model
 
     @property
     def kv_cache(self) -> str:
-        """The KV cache the next ``generate`` uses: 'slots' or 'padded' (``max_batch`` may change between calls)."""
-        if self._kv_setting == "padded" or self._slots_do_not_apply():
+        """The KV cache the next ``generate`` uses: 'slots' or 'padded' (``max_batch`` may change between
+        calls). Raises if ``kv_cache='slots'`` was asked for and cannot serve this model at this size."""
+        from models.kv_cache import slot_cache_applies
+
+        if self._kv_setting == "padded":
             return "padded"
-        return "slots"
+        positions = getattr(self.model.config, "max_position_embeddings", None) or 4096
+        why_not = slot_cache_applies(self.model, self.max_batch, positions)
+        if why_not and self._kv_setting == "slots":
+            raise ValueError(f"kv_cache='slots' cannot serve this model: {why_not}")
+        return "padded" if why_not else "slots"
 
     def load_weights(self, checkpoint_dir: str, policy_version: int) -> float:
         from models.policy import load_state_dict

@@ -60,7 +60,7 @@ def run_campaign(config, storage: str, target: float, label: str) -> dict:
     round_seconds = [entry["seconds"] for entry in history[1:]]
     outside = wall - sum(round_seconds)
     reached = next((i for i, entry in enumerate(history[1:]) if entry["accuracy"] >= target), None)
-    steps = config.round.train.steps_per_round * config.round.train.epochs  # optimizer steps a round
+    steps = [m.get("train/steps", 0.0) for m in metrics]  # the optimizer steps each round made
     stage_keys = sorted({k for m in metrics for k in m if k.startswith("time/")})
     figures = {
         "label": label,
@@ -69,7 +69,7 @@ def run_campaign(config, storage: str, target: float, label: str) -> dict:
         "seconds_to_target": None if reached is None else sum(round_seconds[: reached + 1]),
         "seconds_to_target_with_startup": None if reached is None else sum(round_seconds[: reached + 1]) + outside,
         "rounds_to_target": None if reached is None else reached + 1,
-        "updates_to_target": None if reached is None else (reached + 1) * steps,
+        "updates_to_target": None if reached is None else int(sum(steps[: reached + 1])),
         "base_accuracy": history[0]["accuracy"],
         "final_accuracy": history[-1]["accuracy"],
         "best_accuracy": max(entry["accuracy"] for entry in history[1:]),

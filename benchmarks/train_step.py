@@ -1,13 +1,17 @@
 """One optimizer step's forward and backward on the built-in base: scoring full sequences against
-scoring completions over shared prompts (what training does), measured in one run.
+scoring completions over shared prompts (what training does), with the completions in one chunk or in
+chunks of similar length, measured in one run.
 
     python benchmarks/train_step.py --storage DIR [--groups 128] [--samples 4] [--repeats 5] [--json PATH]
+    python benchmarks/train_step.py --storage DIR --run-id RUN --round K [--repeats 5] [--json PATH]
 
 DIR is a storage root; the built-in base is built there on first use and reused after. A minibatch
 is sampled by the embedded engine from the base (``--groups`` prompts x ``--samples`` samples, by
-default the default round's step), then each scoring runs forward and backward ``--repeats`` times in turn; the medians
-and their ratio are printed. Both scorings give the same logprobs to float rounding
-(tests/test_shared_prompts.py), so the ratio is the whole difference.
+default the default round's step), or, with ``--run-id`` and ``--round``, the scored work is every
+minibatch of that committed round's kept rows under its parent checkpoint: completions sampled by a
+trained policy, whose lengths spread wider than the base's. Each scoring then runs forward and backward
+``--repeats`` times in turn; the medians and their ratios are printed. All scorings give the same
+logprobs to float rounding (tests/test_shared_prompts.py), so a ratio is the whole difference.
 """
 
 from __future__ import annotations
@@ -27,12 +31,18 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=TrainConfig().groups_per_step, help="groups per step")
     parser.add_argument("--samples", type=int, default=RolloutConfig().samples_per_prompt, help="samples per group")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--run-id", help="score the kept rows of this campaign's round --round")
+    parser.add_argument("--round", type=int, help="with --run-id: the round whose rows are scored")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
+    if (args.run_id is None) != (args.round is None):
+        parser.error("--run-id and --round go together")
 
     from models.engine import EmbeddedEngine, GroupRequest, SamplingParams
     from models.policy import (
+        COMPLETION_PADDING_BUDGET,
         completion_logprobs,
+        length_chunks,
         load_policy,
         pack_sequences,
         pack_shared,
@@ -43,44 +53,78 @@ def main() -> None:
     from tasks.base import run_prepare_base
     from tasks.prompts import PromptsConfig, prompt_stream
 
-    base = run_prepare_base(storage=args.storage, base_model="builtin")
-    model, tokenizer = load_policy(checkpoints.local_copy(StorageRoot.of(args.storage), base.checkpoint))
-    stream = prompt_stream(PromptsConfig(), seed=0)
-    params = SamplingParams(temperature=1.0, max_tokens=8, seed=0)
-    requests = [
-        GroupRequest(f"g{i}", tuple(tokenizer(next(stream).text)["input_ids"]), args.samples, params)
-        for i in range(args.groups)
-    ]
-    samples = list(EmbeddedEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id).generate(requests))
-    prompts = [list(s.prompt_token_ids) for s in samples]
-    completions = [s.token_ids for s in samples]
-    full = pack_sequences(prompts, completions, tokenizer.pad_token_id)
-    shared = pack_shared(prompts, completions, tokenizer.pad_token_id)
+    root = StorageRoot.of(args.storage)
+    if args.run_id is None:
+        base = run_prepare_base(storage=args.storage, base_model="builtin")
+        model, tokenizer = load_policy(checkpoints.local_copy(root, base.checkpoint))
+        stream = prompt_stream(PromptsConfig(), seed=0)
+        params = SamplingParams(temperature=1.0, max_tokens=8, seed=0)
+        requests = [
+            GroupRequest(f"g{i}", tuple(tokenizer(next(stream).text)["input_ids"]), args.samples, params)
+            for i in range(args.groups)
+        ]
+        samples = list(EmbeddedEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id).generate(requests))
+        work = [([list(s.prompt_token_ids) for s in samples], [s.token_ids for s in samples])]
+    else:
+        from storage.trajectories import committed_round_version, read_table
+        from tasks.train import TRAIN_COLUMNS, kept_rows, minibatches
+
+        model, tokenizer = load_policy(checkpoints.local_copy(root, root.checkpoint(args.run_id, args.round - 1)))
+        version = committed_round_version(root, args.run_id, args.round)
+        if version is None:
+            parser.error(f"round {args.round} of {args.run_id} has no committed trajectories under {args.storage}")
+        rows = kept_rows(read_table(root, version, columns=TRAIN_COLUMNS))
+        config = TrainConfig()
+        work = [
+            (b.prompt_ids, b.completion_ids) for b in minibatches(rows, config.groups_per_step, config.steps_per_round)
+        ]
+    pad = tokenizer.pad_token_id
+    fulls = [pack_sequences(prompts, completions, pad) for prompts, completions in work]
+    shareds = [pack_shared(prompts, completions, pad) for prompts, completions in work]
+    one_chunk = max(s.completion_ids.numel() for s in shareds)  # a padding budget no split can exceed
+
+    def full_sequences(full):
+        return token_logprobs(model, full).mul(full.completion_mask).sum()
+
+    def shared_prompts(shared, budget=COMPLETION_PADDING_BUDGET):
+        return completion_logprobs(model, shared, padding_budget=budget).mul(shared.completion_mask).sum()
+
     ways = {
-        "full_sequences": lambda: token_logprobs(model, full).mul(full.completion_mask).sum(),
-        "shared_prompts": lambda: completion_logprobs(model, shared).mul(shared.completion_mask).sum(),
+        "full_sequences": lambda: [full_sequences(full).backward() for full in fulls],
+        "shared_one_chunk": lambda: [shared_prompts(shared, one_chunk).backward() for shared in shareds],
+        "shared_prompts": lambda: [shared_prompts(shared).backward() for shared in shareds],
     }
     seconds: dict[str, list[float]] = {name: [] for name in ways}
     for _ in range(args.repeats + 1):  # the first pass of each warms up and is not counted
         for name, score in ways.items():
             start = time.perf_counter()
-            score().backward()
+            score()
             seconds[name].append(time.perf_counter() - start)
             model.zero_grad(set_to_none=True)
     median = {name: statistics.median(times[1:]) for name, times in seconds.items()}
     tokens = {
-        "full_sequences": int(full.input_ids.numel()),
-        "shared_prompts": int(shared.prompt_ids.numel() + shared.completion_ids.numel()),
+        "full_sequences": sum(int(full.input_ids.numel()) for full in fulls),
+        "shared_one_chunk": sum(int(s.prompt_ids.numel() + s.completion_ids.numel()) for s in shareds),
+        "shared_prompts": sum(
+            int(s.prompt_ids.numel())
+            + sum(len(c) * int(s.completion_mask[c].sum(-1).max()) for c in length_chunks(s.completion_mask.sum(-1)))
+            for s in shareds
+        ),
     }
     ratio = median["full_sequences"] / median["shared_prompts"]
-    groups = shared.prompt_ids.shape[0]
-    print(f"{len(samples)} samples in {groups} groups, forward + backward, median of {args.repeats}:")
+    chunk_ratio = median["shared_one_chunk"] / median["shared_prompts"]
+    samples = sum(s.completion_ids.shape[0] for s in shareds)
+    groups = sum(s.prompt_ids.shape[0] for s in shareds)
+    print(f"{len(shareds)} minibatch(es), {samples} samples in {groups} groups, forward + backward,", end=" ")
+    print(f"median of {args.repeats}:")
     for name in ways:
-        print(f"  {name:15s} {median[name]:.3f} s over {tokens[name]} token positions")
-    print(f"shared prompts are {ratio:.2f}x faster")
+        print(f"  {name:16s} {median[name]:.3f} s over {tokens[name]} token positions")
+    print(f"shared prompts are {ratio:.2f}x faster than full sequences")
+    print(f"completions in chunks of similar length are {chunk_ratio:.2f}x faster than in one chunk")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"median_s": median, "token_positions": tokens, "speedup": ratio}, f, indent=2)
+            figures = {"median_s": median, "token_positions": tokens, "speedup": ratio, "chunk_speedup": chunk_ratio}
+            json.dump(figures, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -262,15 +262,48 @@ def pack_shared(prompts: list[list[int]], completions: list[list[int]], pad_toke
     return SharedPromptBatch(prompt_ids, prompt_mask, torch.tensor(owner), completion_ids, completion_mask)
 
 
+COMPLETION_PADDING_BUDGET = 64
+"""Padding tokens a chunk of the completion pass may carry before its longest rows go to a chunk of their
+own (``length_chunks``). A chunk costs one more forward call, about what 64 token positions cost on the
+built-in policy; on its rounds one sample in a few hundred runs past the others' length, and padding every
+row of the minibatch up to it made a quarter of the completion pass padding (README, Where a round's
+seconds go)."""
+
+
+def length_chunks(lengths: torch.Tensor, padding_budget: int = COMPLETION_PADDING_BUDGET) -> list[torch.Tensor]:
+    """Rows grouped by completion length, so few rows are padded up to a long one: [B] -> index tensors.
+
+    Rows are taken shortest first; a new chunk starts at a longer length when padding the rows of the
+    current chunk up to it would add more than ``padding_budget`` positions. Each chunk is then run at
+    the width of its own longest row. Every row is in exactly one chunk."""
+    import torch
+
+    order = torch.argsort(lengths, stable=True)
+    ordered = lengths[order].tolist()
+    bounds, width = [0], ordered[0] if ordered else 0
+    for position, length in enumerate(ordered):
+        if length > width:
+            if (position - bounds[-1]) * (length - width) > padding_budget:
+                bounds.append(position)
+            width = length
+    bounds.append(len(ordered))
+    return [order[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
 def completion_logprobs(
-    model: Any, batch: SharedPromptBatch, temperature: float = 1.0, top_p: torch.Tensor | None = None
+    model: Any,
+    batch: SharedPromptBatch,
+    temperature: float = 1.0,
+    top_p: torch.Tensor | None = None,
+    padding_budget: int = COMPLETION_PADDING_BUDGET,
 ) -> torch.Tensor:
     """Log-probabilities of each completion token under the sampling distribution: [B, C].
 
     The same numbers as ``token_logprobs`` on the full sequences (to float rounding), at a fraction of
     the cost when samples share prompts: each distinct prompt runs once ([G, P]), its cache is
     gathered to one row per sample (a differentiable index, so gradients from every sample flow back
-    into the shared prompt pass), and only the completions ([B, C]) run on top of it. Position ids
+    into the shared prompt pass), and only the completions run on top of it, in chunks of similar
+    length (``length_chunks``) so that a few long completions do not pad every row. Position ids
     continue each prompt's own length, as the engine's do."""
     import torch
 
@@ -279,19 +312,37 @@ def completion_logprobs(
         input_ids=batch.prompt_ids, attention_mask=batch.prompt_mask, position_ids=positions, use_cache=True
     )
     cache = cache_of(prompt_out)
-    cache.batch_select_indices(batch.owner)  # [G, H, P, D] -> [B, H, P, D] per layer
-    prompt_mask = batch.prompt_mask[batch.owner]  # [B, P]
-    c_width = batch.completion_ids.shape[1]
-    c_positions = prompt_mask.sum(-1, keepdim=True) + torch.arange(c_width)  # [B, C]
-    out = model(
-        input_ids=batch.completion_ids,
-        attention_mask=torch.cat([prompt_mask, batch.completion_mask], dim=-1),
-        position_ids=c_positions,
-        **{cache_argument(model): cache},
-    )
-    first = prompt_out.logits[:, -1:, :][batch.owner]  # [B, 1, V]: predicts completion token 0
-    logits = torch.cat([first, out.logits[:, :-1, :]], dim=1).float()  # [B, C, V]: predicts token j
-    return scored(logits, batch.completion_ids, temperature, top_p)
+    layers = getattr(cache, "layers", None)  # transformers >= 4.56; older caches run as one chunk
+    prompt_kv = [(layer.keys, layer.values) for layer in layers] if layers is not None else None
+    lengths = batch.completion_mask.sum(-1)  # [B]
+    rows, width = batch.completion_ids.shape
+    chunks = length_chunks(lengths, padding_budget) if prompt_kv is not None else [torch.arange(rows)]
+    pieces = []
+    for chunk in chunks:
+        owner = batch.owner.index_select(0, chunk)  # [n]
+        if prompt_kv is None:
+            cache.batch_select_indices(owner)
+        else:  # each chunk extends its own gather of the prompt cache: [G, H, P, D] -> [n, H, P, D]
+            for layer, (keys, values) in zip(layers, prompt_kv):
+                layer.keys, layer.values = keys.index_select(0, owner), values.index_select(0, owner)
+        c_width = max(1, int(lengths[chunk].max()))
+        completion_ids = batch.completion_ids[chunk, :c_width]  # [n, w]
+        prompt_mask = batch.prompt_mask.index_select(0, owner)  # [n, P]
+        out = model(
+            input_ids=completion_ids,
+            attention_mask=torch.cat([prompt_mask, batch.completion_mask[chunk, :c_width]], dim=-1),
+            position_ids=prompt_mask.sum(-1, keepdim=True) + torch.arange(c_width),  # [n, w]
+            **{cache_argument(model): cache},
+        )
+        first = prompt_out.logits[:, -1, :].index_select(0, owner).unsqueeze(1)  # [n, 1, V]: predicts token 0
+        logits = torch.cat([first, out.logits[:, :-1, :]], dim=1).float()  # [n, w, V]: predicts token j
+        nucleus = None if top_p is None else top_p.index_select(0, chunk)
+        logprobs = scored(logits, completion_ids, temperature, nucleus)  # [n, w]
+        pieces.append(torch.nn.functional.pad(logprobs, (0, width - c_width)))
+    order = torch.cat(chunks)
+    back = torch.empty_like(order)
+    back[order] = torch.arange(rows)
+    return torch.cat(pieces).index_select(0, back)  # [B, C] in the batch's row order
 
 
 def scored(logits: torch.Tensor, targets: torch.Tensor, temperature: float, top_p: torch.Tensor | None) -> torch.Tensor:

@@ -38,7 +38,7 @@ from tasks.rows import Drawn, groups_from_carry, sample_row
 from tasks.verifiers.config import VerifyConfig
 from tasks.verifiers.outcome import Outcome
 from tasks.verifiers.pool import VerifierPool, check_infra_failure_rate
-from tasks.verifiers.registry import rollout_verifier, rollout_verifier_version
+from tasks.verifiers.registry import rollout_verifier, rollout_verifier_version, scores_inline
 
 
 class RolloutConfig(Config):
@@ -187,6 +187,7 @@ def generate_and_verify(
         verify.infra_retries,
         verify.infra_retry_budget,
         verify.timeout_s,
+        inline=scores_inline(verifier_name, verify),
     )
     limits = PoolLimits(
         # Verdicts must keep pace with the engine, which finishes up to max_batch samples a step: a

@@ -86,9 +86,10 @@ def verdicts(pool, n):
     return [f.result(timeout=30) for f in futures]
 
 
-def test_retries_recover_transient_failures():
+@pytest.mark.parametrize("inline", [False, True], ids=["workers", "inline"])
+def test_retries_recover_transient_failures(inline):
     flaky = Flaky(failures=1)
-    with VerifierPool(flaky, workers=2, retries=2, retry_budget=100) as pool:
+    with VerifierPool(flaky, workers=2, retries=2, retry_budget=100, inline=inline) as pool:
         out = verdicts(pool, 10)
     assert [v.outcome for v in out] == [Outcome.SUCCESS] * 10 and {v.attempts for v in out} == {2}
     assert pool.stats()["verify/infra_retries"] == 10 and pool.stats()["verify/infra_recovered"] == 10
@@ -102,8 +103,9 @@ def test_permanent_failures_are_not_retried():
     assert pool.stats()["verify/infra_retries"] == 0
 
 
-def test_the_round_budget_caps_retries():
-    with VerifierPool(Flaky(failures=99), workers=2, retries=2, retry_budget=3) as pool:
+@pytest.mark.parametrize("inline", [False, True], ids=["workers", "inline"])
+def test_the_round_budget_caps_retries(inline):
+    with VerifierPool(Flaky(failures=99), workers=2, retries=2, retry_budget=3, inline=inline) as pool:
         out = verdicts(pool, 10)
     assert all(v.outcome == Outcome.INFRA_FAILURE for v in out)
     assert sum(v.attempts - 1 for v in out) == 3 == pool.stats()["verify/infra_retries"]
@@ -125,6 +127,38 @@ def test_a_dead_worker_fails_its_sample_and_is_replaced():
     assert (
         stats["verify/worker_deaths"] == 1 and stats["verify/workers_replaced"] == 1 and not stats["verify/pool_dead"]
     )
+
+
+def test_an_inline_pool_answers_on_the_callers_thread_and_a_dying_call_is_an_infra_failure():
+    callers = set()
+
+    def verifier(completion, reference):
+        callers.add(threading.get_ident())
+        if completion == "3":
+            raise SystemExit("killed")
+        return Verdict(1.0, Outcome.SUCCESS)
+
+    threads_before = threading.active_count()
+    with VerifierPool(verifier, workers=2, inline=True) as pool:
+        assert threading.active_count() == threads_before  # no worker, no monitor
+        futures = [pool.submit(str(i), "x") for i in range(6)]
+        assert all(f.done() for f in futures)  # resolved before submit returned
+    assert callers == {threading.get_ident()}
+    out = [f.result() for f in futures]
+    assert out[3].outcome == Outcome.INFRA_FAILURE and "verifier call died: SystemExit" in out[3].error
+    assert all(v.outcome == Outcome.SUCCESS for i, v in enumerate(out) if i != 3)
+    assert pool.stats()["verify/worker_deaths"] == 1
+
+
+def test_only_instant_verifiers_score_inline_and_never_behind_a_waiting_environment():
+    from tasks.verifiers.config import VerifyConfig
+    from tasks.verifiers.registry import scores_inline
+    from tasks.verifiers.simulated_env import SimulatedEnvironmentConfig
+
+    assert scores_inline("addition", VerifyConfig()) and scores_inline("longtail", VerifyConfig())
+    assert not scores_inline("python", VerifyConfig()) and not scores_inline("math", VerifyConfig())
+    assert not scores_inline("addition", VerifyConfig(on_ray=True))
+    assert not scores_inline("addition", VerifyConfig(simulated_environment=SimulatedEnvironmentConfig()))
 
 
 def test_a_call_that_never_returns_times_out():

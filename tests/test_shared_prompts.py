@@ -32,8 +32,24 @@ def test_pack_shared_keeps_one_row_per_distinct_prompt():
     assert b.completion_mask.tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 1], [0, 0, 0]]
 
 
-@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 1.0), (1.0, 0.8)])
-def test_shared_scoring_matches_full_sequences(tiny_policy_dir, temperature, top_p):
+def test_length_chunks_split_off_long_rows_only_when_padding_them_costs_more_than_the_budget():
+    import torch
+
+    from models.policy import length_chunks
+
+    lengths = torch.tensor([4, 3, 8, 3, 4, 3, 1])
+    chunks = length_chunks(lengths, padding_budget=2)
+    assert [lengths[c].tolist() for c in chunks] == [[1, 3, 3, 3], [4, 4], [8]]
+    assert sorted(torch.cat(chunks).tolist()) == list(range(7))  # every row once
+    assert [c.tolist() for c in length_chunks(lengths, padding_budget=100)] == [[6, 1, 3, 5, 0, 4, 2]]
+    assert len(length_chunks(lengths, padding_budget=0)) == 4  # one chunk per distinct length
+    assert length_chunks(torch.tensor([], dtype=torch.long)) == []
+
+
+@pytest.mark.parametrize(
+    "temperature,top_p,padding_budget", [(1.0, 1.0, 64), (0.7, 1.0, 64), (1.0, 0.8, 64), (1.0, 1.0, 0), (0.7, 0.8, 0)]
+)
+def test_shared_scoring_matches_full_sequences(tiny_policy_dir, temperature, top_p, padding_budget):
     import torch
 
     from models.policy import completion_logprobs, load_policy, pack_sequences, pack_shared, token_logprobs
@@ -47,6 +63,7 @@ def test_shared_scoring_matches_full_sequences(tiny_policy_dir, temperature, top
         for _ in range(4):
             prompts.append(prompt)
             completions.append(torch.randint(3, 12, (int(torch.randint(1, 6, ())),)).tolist())
+    completions[-1] = completions[-1] + [5] * 6  # one long row: with budget 0 every length runs as its own chunk
     nucleus = torch.full((len(prompts),), top_p)
 
     full = pack_sequences(prompts, completions, tokenizer.pad_token_id)
@@ -55,7 +72,7 @@ def test_shared_scoring_matches_full_sequences(tiny_policy_dir, temperature, top
     width = shared.completion_ids.shape[1]
     start = full.input_ids.shape[1] - width - 1  # where token_logprobs reports the first completion token
     reference = token_logprobs(model, full, temperature, nucleus)[:, start:]  # [B, C]
-    scored = completion_logprobs(model, shared, temperature, nucleus)  # [B, C]
+    scored = completion_logprobs(model, shared, temperature, nucleus, padding_budget)  # [B, C]
     mask = shared.completion_mask.bool()
     assert torch.equal(mask, full.completion_mask[:, start:].bool())
     assert torch.allclose(scored[mask], reference[mask], atol=1e-5)

@@ -270,7 +270,9 @@ def test_mismatch_is_measured_on_every_minibatch(tiny_policy_dir, recompute):
         TrainBatch([prompts[0], prompts[1]], completions[:2], first, [1.0, -1.0], [[0] * 3] * 2, [1.0, 1.0], 3),
         TrainBatch([prompts[2], prompts[3]], completions[2:], shifted, [1.0, -1.0], [[0] * 3] * 2, [1.0, 1.0], 3),
     ]
-    _, stats = train_policy(model, tokenizer.pad_token_id, batches, TrainConfig(), 1.0, None, 0, recompute)
+    # without the proximal pass a 0.5-nat disagreement reads as drift: no drift limit here
+    config = TrainConfig(max_kl=None)
+    _, stats = train_policy(model, tokenizer.pad_token_id, batches, config, 1.0, None, 0, recompute)
     # 6 of 12 tokens are off by 0.5; a first-minibatch-only figure would read 0. Without the proximal
     # pass minibatch 2 is scored one optimizer step past the sampling weights: a little drift adds on.
     tolerance = 1e-5 if recompute else 2e-2
@@ -295,14 +297,58 @@ def test_epochs_repeat_the_rounds_minibatches_in_order(tiny_policy_dir, recomput
     a = TrainBatch([prompt] * 2, [[5, 6, 7], [8, 9, 2]], [[-2.0] * 3] * 2, [1.0, -1.0], [[0] * 3] * 2, [1.0] * 2, 3)
     b = TrainBatch([prompt] * 2, [[9, 5, 2], [6, 6, 6]], [[-2.5] * 3] * 2, [-1.0, 1.0], [[0] * 3] * 2, [1.0] * 2, 3)
     twice, once = copy.deepcopy(model), copy.deepcopy(model)
-    _, stats = train_policy(twice, tokenizer.pad_token_id, [a, b], TrainConfig(epochs=2), 1.0, None, 0, recompute)
-    _, flat = train_policy(once, tokenizer.pad_token_id, [a, b, a, b], TrainConfig(epochs=1), 1.0, None, 0, recompute)
+    # made-up behaviour logprobs are far from the model's: no drift limit, or the first update would be the last
+    two, one = TrainConfig(epochs=2, max_kl=None), TrainConfig(epochs=1, max_kl=None)
+    _, stats = train_policy(twice, tokenizer.pad_token_id, [a, b], two, 1.0, None, 0, recompute)
+    _, flat = train_policy(once, tokenizer.pad_token_id, [a, b, a, b], one, 1.0, None, 0, recompute)
     for p, q in zip(twice.parameters(), once.parameters()):
         assert torch.equal(p, q)
     assert not all(torch.equal(p, q) for p, q in zip(twice.parameters(), model.parameters()))
     assert stats["train/steps"] == 4 and stats["train/samples"] == 4  # two passes over the same 4 rows
     assert stats["train/staleness_max_steps"] == 3
     assert stats["train/mismatch_tokens"] == 12 and flat["train/mismatch_tokens"] == 24
+
+
+def test_updates_stop_once_the_policy_drifts_past_max_kl(tiny_policy_dir):
+    """The round stops before the first minibatch whose tokens the policy has moved past ``max_kl`` from:
+    its weights are those of training on the minibatches before it, and the stop is reported."""
+    import copy
+
+    import torch
+
+    from models.policy import completion_logprobs, load_policy, pack_shared
+    from tasks.train import TrainBatch, TrainConfig, train_policy
+
+    model, tokenizer = load_policy(tiny_policy_dir)
+    torch.manual_seed(0)
+    batches = []
+    for _ in range(4):
+        prompts = [[tokenizer.bos_token_id, 3, int(torch.randint(4, 12, ())), 13]] * 4
+        completions = [torch.randint(3, 12, (3,)).tolist() for _ in prompts]
+        with torch.no_grad():  # behaviour logprobs: the sampling policy's own, as the fp32 engine records
+            behaviour = completion_logprobs(model, pack_shared(prompts, completions, tokenizer.pad_token_id))
+        batches.append(
+            TrainBatch(prompts, completions, behaviour.tolist(), [1.0, -1.0, 1.0, -1.0], [[0] * 3] * 4, [1.0] * 4, 3)
+        )
+    fast = dict(learning_rate=5e-3, epochs=2)
+    free, limited = copy.deepcopy(model), copy.deepcopy(model)
+    _, all_steps = train_policy(
+        free, tokenizer.pad_token_id, batches, TrainConfig(**fast, max_kl=None), 1.0, None, 0, False
+    )
+    _, stopped = train_policy(
+        limited, tokenizer.pad_token_id, batches, TrainConfig(**fast, max_kl=1e-3), 1.0, None, 0, False
+    )
+    assert all_steps["train/steps"] == 8 and all_steps["train/stopped_at_kl"] == 0.0
+    steps = int(stopped["train/steps"])
+    assert 1 <= steps < 8 and stopped["train/stopped_at_kl"] == 1.0 and stopped["train/drift_kl"] > 1e-3
+    assert stopped["train/samples"] == 4 * min(steps, 4)
+    replay = copy.deepcopy(model)  # the same updates, made by asking for exactly those minibatches
+    schedule = [batches[i % 4] for i in range(steps)]
+    train_policy(
+        replay, tokenizer.pad_token_id, schedule, TrainConfig(**dict(fast, epochs=1), max_kl=None), 1.0, None, 0, False
+    )
+    for p, q in zip(replay.parameters(), limited.parameters()):
+        assert torch.equal(p, q)
 
 
 # -- freshness: lag in policy versions and divergence from the behaviour policy ------------------------

@@ -100,6 +100,12 @@ class VerifierPool:
 
     Threads suit verifiers that are cheap or that wait on a subprocess (sandboxes, math workers);
     a verifier that burns Python CPU should start its own process.
+
+    ``inline``: a verifier of a few microseconds that cannot hang (a pure function of the text, such as
+    the built-in tasks' exact match) is called on the submitting thread instead, and ``submit`` returns
+    a future that is already resolved. Handing such a call to a worker costs more than the call: two
+    thread switches and a wait for the interpreter lock that the engine's thread holds. Retries and the
+    classification of failures are the same; there is no timeout, since nothing can interrupt the call.
     """
 
     def __init__(
@@ -109,6 +115,7 @@ class VerifierPool:
         retries: int = 0,
         retry_budget: int = 0,
         timeout_s: float | None = None,
+        inline: bool = False,
     ) -> None:
         if workers < 1:
             raise ValueError(f"verifier pool needs at least 1 worker, got {workers}")
@@ -128,15 +135,27 @@ class VerifierPool:
         self._pending = 0  # submitted samples without a verdict yet
         self._settled = threading.Condition(self._lock)
         self.counts: Counter[str] = Counter()
-        for _ in range(workers):
-            self._spawn()
+        self.inline = inline
         self._stop = threading.Event()
         self._monitor = threading.Thread(target=self._watch, name="verifier-monitor", daemon=True)
-        self._monitor.start()
+        if not inline:
+            for _ in range(workers):
+                self._spawn()
+            self._monitor.start()
 
     def submit(self, completion_text: str, reference: str) -> Future:
         """A future that always resolves to a Verdict (never to an exception)."""
         future: Future = Future()
+        if self.inline:
+            try:
+                verdict = self._verify(_Job(future, completion_text, reference))
+            except (KeyboardInterrupt, GeneratorExit):
+                raise
+            except BaseException as exc:  # noqa: BLE001 -- as a worker's death: the environment's loss
+                self.counts["deaths"] += 1
+                verdict = Verdict(None, Outcome.INFRA_FAILURE, f"verifier call died: {type(exc).__name__}: {exc}")
+            _resolve(future, verdict)
+            return future
         with self._lock:  # against the monitor declaring the pool dead between the check and the put
             if self._dead is None:
                 self._pending += 1
@@ -172,7 +191,8 @@ class VerifierPool:
         for w in workers:
             w.join()
         self._stop.set()
-        self._monitor.join()
+        if self._monitor.is_alive():
+            self._monitor.join()
 
     def __enter__(self) -> VerifierPool:
         return self

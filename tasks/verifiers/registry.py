@@ -25,15 +25,18 @@ class VerifierSpec:
     version: str
     build: Callable[[VerifyConfig], Verifier]
     """The verifier a round uses, configured by its ``verify`` section."""
+    inline: bool = False
+    """A pure function of the text that takes microseconds and cannot hang: rollout calls it on its own
+    thread rather than through the pool's workers (``VerifierPool``'s ``inline``)."""
 
 
 VERIFIERS: dict[str, VerifierSpec] = {
-    "addition": VerifierSpec(addition.VERSION, lambda config: addition.verify_addition),
+    "addition": VerifierSpec(addition.VERSION, lambda config: addition.verify_addition, inline=True),
     "math": VerifierSpec(math.VERSION, lambda config: math.shared_verifier(config.math_timeout_s)),
     "python": VerifierSpec(
         sandbox.VERSION, lambda config: functools.partial(sandbox.verify_python, limits=config.sandbox)
     ),
-    "longtail": VerifierSpec(longtail.VERSION, lambda config: longtail.verify_longtail),
+    "longtail": VerifierSpec(longtail.VERSION, lambda config: longtail.verify_longtail, inline=True),
 }
 
 
@@ -64,6 +67,12 @@ def rollout_verifier(name: str, config: VerifyConfig, round_seed: int) -> Verifi
 
         verifier = RayVerifier(verifier)
     return simulated_env.with_simulated_environment(verifier, config.simulated_environment, round_seed)
+
+
+def scores_inline(name: str, config: VerifyConfig) -> bool:
+    """Whether rollout calls the verifier on its own thread: only a verifier declared ``inline``, and
+    never behind the simulated environment or on Ray, whose calls wait."""
+    return _spec(name).inline and not config.on_ray and config.simulated_environment is None
 
 
 def rollout_verifier_version(name: str, config: VerifyConfig) -> str:

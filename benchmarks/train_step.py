@@ -12,6 +12,10 @@ minibatch of that committed round's kept rows under its parent checkpoint: compl
 trained policy, whose lengths spread wider than the base's. Each scoring then runs forward and backward
 ``--repeats`` times in turn; the medians and their ratios are printed. All scorings give the same
 logprobs to float rounding (tests/test_shared_prompts.py), so a ratio is the whole difference.
+
+Last, the training scoring runs ``--repeats`` times more after ``torch.set_num_threads`` is called with
+the count already in use, and its wall and system seconds are compared with the same scoring's before
+(``torch.set_num_threads`` cannot be undone in a process, so this comes last).
 """
 
 from __future__ import annotations
@@ -102,6 +106,7 @@ def main() -> None:
             seconds[name].append(time.perf_counter() - start)
             model.zero_grad(set_to_none=True)
     median = {name: statistics.median(times[1:]) for name, times in seconds.items()}
+    threads = thread_setting_cost(ways["shared_prompts"], model, args.repeats)
     tokens = {
         "full_sequences": sum(int(full.input_ids.numel()) for full in fulls),
         "shared_one_chunk": sum(int(s.prompt_ids.numel() + s.completion_ids.numel()) for s in shareds),
@@ -121,10 +126,48 @@ def main() -> None:
         print(f"  {name:16s} {median[name]:.3f} s over {tokens[name]} token positions")
     print(f"shared prompts are {ratio:.2f}x faster than full sequences")
     print(f"completions in chunks of similar length are {chunk_ratio:.2f}x faster than in one chunk")
+    print(
+        f"after torch.set_num_threads({threads['threads']}): {threads['slowdown']:.2f}x the time "
+        f"({threads['after_s']:.3f} s against {threads['before_s']:.3f} s), system time "
+        f"{threads['after_system_s']:.3f} s against {threads['before_system_s']:.3f} s"
+    )
     if args.json:
         with open(args.json, "w") as f:
             figures = {"median_s": median, "token_positions": tokens, "speedup": ratio, "chunk_speedup": chunk_ratio}
-            json.dump(figures, f, indent=2)
+            json.dump({**figures, "set_num_threads": threads}, f, indent=2)
+
+
+def thread_setting_cost(score, model, repeats: int) -> dict:
+    """Medians of ``score()`` (wall and system seconds) before and after ``torch.set_num_threads`` is called
+    with the thread count already in use: a call that changes nothing, yet leaves the process's OpenMP
+    threads waking each other by system call at every parallel op (why rlrounds never makes it in a
+    campaign's process, models/base_policy.py)."""
+    import resource
+
+    import torch
+
+    def measure() -> tuple[float, float]:
+        walls, systems = [], []
+        for _ in range(repeats):
+            before, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+            score()
+            walls.append(time.perf_counter() - start)
+            systems.append(resource.getrusage(resource.RUSAGE_SELF).ru_stime - before.ru_stime)
+            model.zero_grad(set_to_none=True)
+        return statistics.median(walls), statistics.median(systems)
+
+    before_s, before_system_s = measure()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    after_s, after_system_s = measure()
+    return {
+        "threads": threads,
+        "before_s": before_s,
+        "after_s": after_s,
+        "before_system_s": before_system_s,
+        "after_system_s": after_system_s,
+        "slowdown": after_s / before_s,
+    }
 
 
 if __name__ == "__main__":

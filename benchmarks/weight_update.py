@@ -68,9 +68,6 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    import torch
-
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     results = {}
     for mode in ("recompute", "keep"):
         runs = [measure(args.old, args.new, mode, args.groups, args.seed) for _ in range(args.repeats)]

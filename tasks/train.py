@@ -386,14 +386,11 @@ def run_train(
     recomputes logprobs at that temperature; the dtype decides whether the proximal pass is needed)."""
     import tempfile
 
-    import torch
-
     from models.policy import load_policy, save_policy
     from storage import checkpoints
     from storage.paths import StorageRoot
     from storage.trajectories import read_manifest, read_table
 
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     root = StorageRoot.of(ctx.storage)
     target = target_checkpoint or root.checkpoint(ctx.run_id, ctx.round)
     if checkpoints.is_committed(root, target):  # resumed after the commit: never train twice

@@ -1,5 +1,6 @@
 """One round's rollout on the built-in base: time to a trainable batch and samples generated, with partial
-rollouts on (the default) and off, measured in one run.
+rollouts on (the default) and off, and with the verifier called on the rollout's thread (the default for
+the built-in task's) or through the verifier pool's worker threads, measured in one run.
 
     python benchmarks/rollout_round.py --storage DIR [--groups 2048] [--repeats 2] [--json PATH]
 
@@ -15,30 +16,38 @@ import statistics
 import time
 
 
-def one_round(engine, tokenizer, groups: int, partial: bool, seed: int) -> dict:
+def one_round(engine, tokenizer, groups: int, partial: bool, seed: int, inline: bool = True) -> dict:
+    import tasks.rollout
     from tasks.filter import FilterConfig
     from tasks.prompts import PromptsConfig
     from tasks.rollout import RolloutConfig, generate_and_verify
     from tasks.verifiers.config import VerifyConfig
 
+    declared = tasks.rollout.scores_inline
+    if not inline:  # what every verifier got before ``VerifierSpec.inline``: a worker thread per call
+        tasks.rollout.scores_inline = lambda name, config: False
     start = time.perf_counter()
-    result = generate_and_verify(
-        engine=engine,
-        tokenizer=tokenizer,
-        prompts=PromptsConfig(),
-        rollout=RolloutConfig(partial_rollouts=partial),
-        verify=VerifyConfig(),
-        filtering=FilterConfig(),
-        target_groups=groups,
-        seed=seed,
-        run_id="bench",
-        round_index=1,
-    )
+    try:
+        result = generate_and_verify(
+            engine=engine,
+            tokenizer=tokenizer,
+            prompts=PromptsConfig(),
+            rollout=RolloutConfig(partial_rollouts=partial),
+            verify=VerifyConfig(),
+            filtering=FilterConfig(),
+            target_groups=groups,
+            seed=seed,
+            run_id="bench",
+            round_index=1,
+        )
+    finally:
+        tasks.rollout.scores_inline = declared
     return {
         "seconds": time.perf_counter() - start,
         "time_to_trainable_batch_s": result.stats["rollout/time_to_trainable_batch_s"],
         "rows": len(result.rows),
         "carried_samples": len(result.carry_rows),
+        "rows_hash": hash(tuple((r["group_id"], tuple(r["completion_token_ids"])) for r in result.rows)),
     }
 
 
@@ -67,10 +76,11 @@ def main() -> None:
     local = checkpoints.local_copy(StorageRoot.of(args.storage), base.checkpoint)
     engine = build_engine("embedded", local, "float32", 0, 1024)
     tokenizer = load_tokenizer(local)
-    runs: dict[str, list[dict]] = {"partial_rollouts": [], "run_to_completion": []}
+    modes = (("partial_rollouts", True, True), ("run_to_completion", False, True), ("verifier_threads", True, False))
+    runs: dict[str, list[dict]] = {mode: [] for mode, _, _ in modes}
     for repeat in range(args.repeats):
-        for mode, partial in (("partial_rollouts", True), ("run_to_completion", False)):
-            runs[mode].append(one_round(engine, tokenizer, args.groups, partial, seed=repeat))
+        for mode, partial, inline in modes:
+            runs[mode].append(one_round(engine, tokenizer, args.groups, partial, seed=repeat, inline=inline))
             r = runs[mode][-1]
             print(
                 f"repeat {repeat} {mode:18s} time to trainable batch {r['time_to_trainable_batch_s']:6.2f} s, "
@@ -83,13 +93,23 @@ def main() -> None:
         summary["run_to_completion"]["time_to_trainable_batch_s"]
         / summary["partial_rollouts"]["time_to_trainable_batch_s"]
     )
+    threads = summary["verifier_threads"]["seconds"] / summary["partial_rollouts"]["seconds"]
+    same_rows = all(
+        a["rows_hash"] == b["rows_hash"] for a, b in zip(runs["partial_rollouts"], runs["verifier_threads"])
+    )
     print(
         f"median time to a trainable batch: partial {summary['partial_rollouts']['time_to_trainable_batch_s']:.2f} s, "
         f"run to completion {summary['run_to_completion']['time_to_trainable_batch_s']:.2f} s ({ratio:.2f}x)"
     )
+    print(
+        f"median stage seconds: verifier on the rollout's thread {summary['partial_rollouts']['seconds']:.2f} s, "
+        f"on worker threads {summary['verifier_threads']['seconds']:.2f} s ({threads:.2f}x); "
+        f"the same rows: {same_rows}"
+    )
     if args.json:
+        figures = {"ratio_run_to_completion_over_partial": ratio, "ratio_threads_over_inline": threads}
         with open(args.json, "w") as f:
-            json.dump({"median": summary, "ratio_run_to_completion_over_partial": ratio, "runs": runs}, f, indent=2)
+            json.dump({"median": summary, **figures, "same_rows": same_rows, "runs": runs}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -94,7 +94,7 @@ def recorded_training(root, rollout_manifest) -> tuple[TrainConfig, str]:
             f"no training config is recorded for run {run_id} round {round_index} (its checkpoint is not "
             "committed); pass --config with the campaign config the round ran with"
         ) from None
-    return TrainConfig.model_validate(lineage["train_config"]), lineage["config_hash"]
+    return TrainConfig.recorded(lineage["train_config"]), lineage["config_hash"]
 
 
 # -- the stages -----------------------------------------------------------------------------------

@@ -77,8 +77,19 @@ class TrainConfig(Config):
     """Seed for anything random in training. Dropout is never active (the policy trains in eval mode),
     so on CPU an update is a function of the weights and the stored rows alone."""
 
+    @classmethod
+    def recorded(cls, recorded: dict) -> TrainConfig:
+        """A training config as a round's lineage recorded it. A field added since trains, when absent, the
+        way rounds did before it existed (``BEFORE_FIELDS``), not by today's default: a replay of an older
+        round must make the same updates."""
+        return cls.model_validate({**BEFORE_FIELDS, **recorded})
+
     def loss_settings(self) -> LossSettings:
         return LossSettings(self.clip_low, self.clip_high, self.tis_cap, self.aggregation, self.kl_coef)
+
+
+BEFORE_FIELDS: dict = {"epochs": 1, "max_kl": None}
+"""How rounds trained before these ``TrainConfig`` fields existed: one pass, no drift limit."""
 
 
 @dataclass

@@ -407,3 +407,17 @@ def test_the_proximal_pass_runs_only_for_the_minibatches_that_need_it():
     assert proximal_plan("auto", "float32", [{"name": "vllm", "dtype": "float32"}], [fresh], 2) == [True]
     assert proximal_plan("never", "float32", embedded, [carried], 2) == [False]
     assert proximal_plan("always", "float32", embedded, [fresh], 2) == [True]
+
+
+def test_a_recorded_config_without_later_fields_replays_as_its_round_trained():
+    """A round recorded before ``epochs`` and ``max_kl`` existed made one pass with no drift limit; a replay
+    of it must too, whatever today's defaults are. A config recorded now reads back unchanged."""
+    from tasks.train import TrainConfig
+
+    older = TrainConfig().model_dump(mode="json")
+    del older["epochs"], older["max_kl"]
+    replayed = TrainConfig.recorded(older)
+    assert replayed.epochs == 1 and replayed.max_kl is None
+    assert replayed.learning_rate == TrainConfig().learning_rate
+    assert TrainConfig.recorded(TrainConfig().model_dump(mode="json")) == TrainConfig()
+    assert TrainConfig.recorded(TrainConfig(max_kl=0.5).model_dump(mode="json")).max_kl == 0.5

@@ -45,7 +45,9 @@ class EngineReplica:
     def __init__(self, build: Callable[[], Any], threads: int):
         import torch
 
-        torch.set_num_threads(max(1, threads))
+        if torch.get_num_threads() != max(1, threads):  # Ray sets OMP_NUM_THREADS to the actor's CPUs already
+            # Setting it at all costs every later op (models/base_policy.py): only when it must change.
+            torch.set_num_threads(max(1, threads))
         self.engine = build()
         self._stopped: set[str] = set()  # generation ids whose samples must stop
         self._lock = threading.Lock()

@@ -47,25 +47,17 @@ def build_base_policy(
 ) -> dict:
     """Train the base policy of ``task`` (default: addition) into ``out_dir`` (local), with its own recipe
     unless ``recipe`` is given. Returns its metadata (with held-out accuracy)."""
-    import torch
-
     from models.builtin import BUILTINS
+    from models.policy import set_threads
 
     task = task or BUILTINS["builtin"]
     recipe = recipe or task.recipe
     start = time.perf_counter()
-    previous_threads = torch.get_num_threads()
-    if previous_threads == recipe.threads:  # see below: setting it at all costs every later op
-        return _build(out_dir, recipe, progress, start, task)
-    # torch.set_num_threads, even to the count already in use, leaves this process's OpenMP threads
-    # waking each other by system call at every parallel op from then on: a round's training spent 1 s
-    # of system time instead of 0.1 s and ran about 1.3x slower. So it is called only when the recipe
-    # needs another count, and the campaign that follows in this process pays that.
-    torch.set_num_threads(recipe.threads)
+    previous_threads = set_threads(recipe.threads)  # a campaign built after another count pays for it
     try:
         return _build(out_dir, recipe, progress, start, task)
     finally:
-        torch.set_num_threads(previous_threads)
+        set_threads(previous_threads)
 
 
 def _build(out_dir: str, recipe: BaseRecipe, progress, start: float, task: BuiltinTask) -> dict:

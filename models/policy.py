@@ -40,6 +40,21 @@ def torch_dtype(name: str) -> torch.dtype:
         raise PolicyLoadError(f"unknown dtype {name!r}; use one of float32, bfloat16, float16") from None
 
 
+def set_threads(count: int) -> int:
+    """Have torch use ``count`` threads (at least 1); returns the count it used before.
+
+    ``torch.set_num_threads`` is called only when the count changes: the call, even with the count
+    already in use, leaves the process's OpenMP threads waking each other by system call at every
+    parallel op from then on (a round's training spent 1 s of system time instead of 0.1 s and ran
+    about 1.3x slower; ``benchmarks/train_step.py`` measures it)."""
+    import torch
+
+    previous, count = torch.get_num_threads(), max(1, count)
+    if count != previous:
+        torch.set_num_threads(count)
+    return previous
+
+
 def check_policy_dir(path: str) -> None:
     """Fail with one line naming what is missing, before any heavy import."""
     if not os.path.isdir(path):

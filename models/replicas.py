@@ -43,11 +43,9 @@ class EngineReplica:
     """The actor body: one engine, driven by the router. Wrapped with ``ray.remote`` at start."""
 
     def __init__(self, build: Callable[[], Any], threads: int):
-        import torch
+        from models.policy import set_threads
 
-        if torch.get_num_threads() != max(1, threads):  # Ray sets OMP_NUM_THREADS to the actor's CPUs already
-            # Setting it at all costs every later op (models/base_policy.py): only when it must change.
-            torch.set_num_threads(max(1, threads))
+        set_threads(threads)  # Ray's OMP_NUM_THREADS already gives an actor its CPUs: usually nothing to do
         self.engine = build()
         self._stopped: set[str] = set()  # generation ids whose samples must stop
         self._lock = threading.Lock()

@@ -169,7 +169,7 @@ def train_policy(
         k: [] for k in ("loss", "clip_fraction", "grad_norm", "tis_mean", "tis_truncated_fraction", "kl", "ratio_mean")
     }
     lag_sum, lag_count, lag_max = 0.0, 0, 0.0
-    drift, stopped_at, trained = 0.0, None, set()
+    drift, stopped = 0.0, False
     freshness: list[torch.Tensor] = []  # per minibatch: [N, 2] (version lag, log behaviour weight) of its tokens
     mismatch: list[dict[str, float]] = []
     # Forward passes stay in eval mode: dropout would make the trainer score another (random) policy
@@ -186,9 +186,8 @@ def train_policy(
         sampling = behaviour if proximal[index] is None else proximal[index]  # the weights the rows came from
         drift = policy_drift(logp.detach(), sampling, mask)
         if config.max_kl is not None and step > 0 and drift > config.max_kl:
-            stopped_at = step  # every round makes at least one update
+            stopped = True  # every round makes at least one update
             break
-        trained.add(index)
         ref = None
         if ref_model is not None and config.kl_coef > 0:
             with torch.no_grad():
@@ -244,9 +243,10 @@ def train_policy(
     stats.update(
         {
             "train/steps": len(history["loss"]),
-            "train/samples": sum(len(batches[i].advantages) for i in trained),  # the rows trained on, once each
+            # the rows trained on, once each, whatever the passes
+            "train/samples": sum(len(batches[i].advantages) for i in set(schedule[: len(history["loss"])])),
             "train/drift_kl": drift,
-            "train/stopped_at_kl": float(stopped_at is not None),
+            "train/stopped_at_kl": float(stopped),
             "train/mismatch_mean_abs": pooled["mean_abs"],
             "train/mismatch_max_abs": pooled["max_abs"],
             "train/mismatch_kl": pooled["kl"],

@@ -137,10 +137,11 @@ class VerifierPool:
         self.counts: Counter[str] = Counter()
         self.inline = inline
         self._stop = threading.Event()
-        self._monitor = threading.Thread(target=self._watch, name="verifier-monitor", daemon=True)
+        self._monitor: threading.Thread | None = None
         if not inline:
             for _ in range(workers):
                 self._spawn()
+            self._monitor = threading.Thread(target=self._watch, name="verifier-monitor", daemon=True)
             self._monitor.start()
 
     def submit(self, completion_text: str, reference: str) -> Future:
@@ -191,7 +192,7 @@ class VerifierPool:
         for w in workers:
             w.join()
         self._stop.set()
-        if self._monitor.is_alive():
+        if self._monitor is not None:
             self._monitor.join()
 
     def __enter__(self) -> VerifierPool:

@@ -2,7 +2,7 @@
 and the ready pool with partial rollouts; then the preset's campaign with the barrier, with partial
 rollouts, and with partial rollouts overlapped with training (round.mode overlap), same seed.
 
-    python benchmarks/batch_collection.py [--storage DIR] [--quick] [--json PATH]
+    python benchmarks/batch_collection.py [--storage DIR] [--quick] [--campaign-modes LIST] [--json PATH]
 
 Collection. One workload: the preset's base policy, prompt stream, sampling (long-tailed lengths) and
 SIMULATED environment latency (tasks/verifiers/simulated_env.py), ``--rounds`` consecutive rounds of
@@ -216,9 +216,17 @@ def main() -> None:
     parser.add_argument("--campaign-rounds", type=int, help="campaign rounds per mode (default: the preset's, quick 4)")
     parser.add_argument("--target", type=float, help="held-out accuracy to reach (default 0.85, quick 0.45)")
     parser.add_argument("--no-campaign", action="store_true", help="collection only")
+    parser.add_argument(
+        "--campaign-modes",
+        default=",".join(CAMPAIGN_MODES),
+        help=f"comma-separated campaign modes to run (default: all of {','.join(CAMPAIGN_MODES)})",
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
+    campaign_modes = [m for m in CAMPAIGN_MODES if m in args.campaign_modes.split(",")]
+    if unknown := set(args.campaign_modes.split(",")) - set(CAMPAIGN_MODES):
+        parser.error(f"--campaign-modes: unknown {', '.join(sorted(unknown))}; known: {', '.join(CAMPAIGN_MODES)}")
     from flows.cli import quiet_libraries
     from flows.orphans import take_over
 
@@ -271,7 +279,7 @@ def main() -> None:
         target = args.target if args.target is not None else (0.45 if args.quick else 0.85)
         print(f"\ncampaign: preset {args.preset}, {campaign_rounds} rounds per mode, target {target:.0%}", flush=True)
         figures["campaign"] = {}
-        for mode in CAMPAIGN_MODES:
+        for mode in campaign_modes:
             figures["campaign"][mode] = c = campaign(
                 args.storage, args.preset, mode, campaign_rounds, args.seed, target
             )
@@ -286,31 +294,32 @@ def main() -> None:
                 f"idle: trainer {c['trainer_idle_fraction']:.0%}, generator {c['generator_idle_fraction']:.0%}",
                 flush=True,
             )
-        camp = figures["campaign"]
-        figures["ratios"]["campaign_sync_barrier_over_partial_rollouts"] = ratio(
-            camp["sync_barrier"]["seconds_to_target"], camp["partial_rollouts"]["seconds_to_target"]
-        )
-        figures["ratios"]["campaign_final_accuracy_difference"] = (
-            camp["partial_rollouts"]["final_accuracy"] - camp["sync_barrier"]["final_accuracy"]
-        )
-        figures["ratios"]["campaign_partial_rollouts_over_overlap"] = ratio(
-            camp["partial_rollouts"]["seconds_to_target"], camp["overlap"]["seconds_to_target"]
-        )
-        figures["ratios"]["campaign_overlap_final_accuracy_difference"] = (
-            camp["overlap"]["final_accuracy"] - camp["partial_rollouts"]["final_accuracy"]
-        )
-        ratios = figures["ratios"]
-        print_comparison(
-            "sync_barrier / partial_rollouts",
-            ratios["campaign_sync_barrier_over_partial_rollouts"],
-            ratios["campaign_final_accuracy_difference"],
-        )
-        print_comparison(
-            "sync (partial rollouts) / overlap",
-            ratios["campaign_partial_rollouts_over_overlap"],
-            ratios["campaign_overlap_final_accuracy_difference"],
-            f"; trainer idle in overlap {camp['overlap']['trainer_idle_fraction']:.0%} of the rounds (goal < 10%)",
-        )
+        camp, ratios = figures["campaign"], figures["ratios"]
+        if "sync_barrier" in camp and "partial_rollouts" in camp:
+            ratios["campaign_sync_barrier_over_partial_rollouts"] = ratio(
+                camp["sync_barrier"]["seconds_to_target"], camp["partial_rollouts"]["seconds_to_target"]
+            )
+            ratios["campaign_final_accuracy_difference"] = (
+                camp["partial_rollouts"]["final_accuracy"] - camp["sync_barrier"]["final_accuracy"]
+            )
+            print_comparison(
+                "sync_barrier / partial_rollouts",
+                ratios["campaign_sync_barrier_over_partial_rollouts"],
+                ratios["campaign_final_accuracy_difference"],
+            )
+        if "partial_rollouts" in camp and "overlap" in camp:
+            ratios["campaign_partial_rollouts_over_overlap"] = ratio(
+                camp["partial_rollouts"]["seconds_to_target"], camp["overlap"]["seconds_to_target"]
+            )
+            ratios["campaign_overlap_final_accuracy_difference"] = (
+                camp["overlap"]["final_accuracy"] - camp["partial_rollouts"]["final_accuracy"]
+            )
+            print_comparison(
+                "sync (partial rollouts) / overlap",
+                ratios["campaign_partial_rollouts_over_overlap"],
+                ratios["campaign_overlap_final_accuracy_difference"],
+                f"; trainer idle in overlap {camp['overlap']['trainer_idle_fraction']:.0%} of the rounds (goal < 10%)",
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=2)

@@ -52,6 +52,10 @@ def training_prompts(seed: int, count: int) -> list[Prompt]:
     return [make_prompt(*pairs[rng.randrange(len(pairs))]) for _ in range(count)]
 
 
+base_prompts = training_prompts
+"""The base recipe's supervised examples: the task's own distribution."""
+
+
 def prompt_stream(seed: int) -> Iterator[Prompt]:
     """Endless uniform draws (with replacement) from the training pairs."""
     pairs = training_pairs()

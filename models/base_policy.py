@@ -70,7 +70,7 @@ def _build(out_dir: str, recipe: BaseRecipe, progress, start: float, task: Built
     tokenizer = build_char_tokenizer(task.characters)
     model = build_model(recipe, len(tokenizer), tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.learning_rate)
-    prompts = task.data.training_prompts(seed=recipe.seed, count=recipe.max_steps * recipe.batch_size)
+    prompts = task.data.base_prompts(seed=recipe.seed, count=recipe.max_steps * recipe.batch_size)
     # Stopping is judged on training prompts (another seed), so the held-out set stays untouched.
     validation = task.data.training_prompts(seed=recipe.seed + 1, count=500)
     engine = EmbeddedEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id)

@@ -49,6 +49,18 @@ def test_answer_lengths_have_a_tail():
     assert max(lengths) <= len(longtail.longest_prompt().reference) + 1
 
 
+def test_base_examples_count_down_further_than_the_task_and_are_never_held_out():
+    """The base recipe's examples are the task's prompts with longer spans more often (models/longtail.py)."""
+
+    def counted(prompts):  # share that count past the first number: span 2 and up
+        return sum(p.reference.count(",") > 1 for p in prompts) / len(prompts)
+
+    base = longtail.base_prompts(seed=0, count=5_000)
+    assert counted(base) > counted(longtail.training_prompts(seed=0, count=5_000)) + 0.2
+    assert not {p.prompt_id for p in base} & {p.prompt_id for p in longtail.held_out_prompts()}
+    assert base[:50] == longtail.base_prompts(seed=0, count=50) != longtail.base_prompts(seed=1, count=50)
+
+
 def test_stream_is_seeded():
     assert longtail.training_prompts(seed=7, count=50) == longtail.training_prompts(seed=7, count=50)
     assert longtail.training_prompts(seed=7, count=50) != longtail.training_prompts(seed=8, count=50)

@@ -151,6 +151,23 @@ def collection(engine, tokenizer, rc, rounds: int, seed: int) -> dict[str, dict]
 
 
 CAMPAIGN_MODES = ("sync_barrier", "partial_rollouts", "overlap")
+# (first mode, second mode, JSON key of first / second seconds to target, of second - first final accuracy, label)
+CAMPAIGN_COMPARISONS = (
+    (
+        "sync_barrier",
+        "partial_rollouts",
+        "campaign_sync_barrier_over_partial_rollouts",
+        "campaign_final_accuracy_difference",
+        "sync_barrier / partial_rollouts",
+    ),
+    (
+        "partial_rollouts",
+        "overlap",
+        "campaign_partial_rollouts_over_overlap",
+        "campaign_overlap_final_accuracy_difference",
+        "sync (partial rollouts) / overlap",
+    ),
+)
 
 
 def campaign(storage: str, preset: str, mode: str, rounds: int, seed: int, target: float) -> dict:
@@ -295,31 +312,17 @@ def main() -> None:
                 flush=True,
             )
         camp, ratios = figures["campaign"], figures["ratios"]
-        if "sync_barrier" in camp and "partial_rollouts" in camp:
-            ratios["campaign_sync_barrier_over_partial_rollouts"] = ratio(
-                camp["sync_barrier"]["seconds_to_target"], camp["partial_rollouts"]["seconds_to_target"]
+        for first, second, speedup_key, difference_key, what in CAMPAIGN_COMPARISONS:
+            if first not in camp or second not in camp:
+                continue
+            ratios[speedup_key] = ratio(camp[first]["seconds_to_target"], camp[second]["seconds_to_target"])
+            ratios[difference_key] = camp[second]["final_accuracy"] - camp[first]["final_accuracy"]
+            extra = (
+                f"; trainer idle in overlap {camp['overlap']['trainer_idle_fraction']:.0%} of the rounds (goal < 10%)"
+                if second == "overlap"
+                else ""
             )
-            ratios["campaign_final_accuracy_difference"] = (
-                camp["partial_rollouts"]["final_accuracy"] - camp["sync_barrier"]["final_accuracy"]
-            )
-            print_comparison(
-                "sync_barrier / partial_rollouts",
-                ratios["campaign_sync_barrier_over_partial_rollouts"],
-                ratios["campaign_final_accuracy_difference"],
-            )
-        if "partial_rollouts" in camp and "overlap" in camp:
-            ratios["campaign_partial_rollouts_over_overlap"] = ratio(
-                camp["partial_rollouts"]["seconds_to_target"], camp["overlap"]["seconds_to_target"]
-            )
-            ratios["campaign_overlap_final_accuracy_difference"] = (
-                camp["overlap"]["final_accuracy"] - camp["partial_rollouts"]["final_accuracy"]
-            )
-            print_comparison(
-                "sync (partial rollouts) / overlap",
-                ratios["campaign_partial_rollouts_over_overlap"],
-                ratios["campaign_overlap_final_accuracy_difference"],
-                f"; trainer idle in overlap {camp['overlap']['trainer_idle_fraction']:.0%} of the rounds (goal < 10%)",
-            )
+            print_comparison(what, ratios[speedup_key], ratios[difference_key], extra)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=2)

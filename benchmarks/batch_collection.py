@@ -241,8 +241,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
-    campaign_modes = [m for m in CAMPAIGN_MODES if m in args.campaign_modes.split(",")]
-    if unknown := set(args.campaign_modes.split(",")) - set(CAMPAIGN_MODES):
+    asked = set(args.campaign_modes.split(","))
+    campaign_modes = [m for m in CAMPAIGN_MODES if m in asked]  # in the order they compare
+    if unknown := asked - set(CAMPAIGN_MODES):
         parser.error(f"--campaign-modes: unknown {', '.join(sorted(unknown))}; known: {', '.join(CAMPAIGN_MODES)}")
     from flows.cli import quiet_libraries
     from flows.orphans import take_over

@@ -101,6 +101,21 @@ def _claim_file(root: StorageRoot, path: str, data: bytes) -> bool:
         raise CampaignError(str(exc)) from None
 
 
+def _create_owned(root: StorageRoot, path: str, owner: Owner, data: bytes) -> bool:
+    """Create an owner record, holding its token from before the record exists: a claim in this process
+    that reads the record a moment after it appears must already find its owner alive (owner_alive
+    takes a token of this process's pid that is not held for an ended campaign's)."""
+    _HELD.add(owner.token)
+    try:
+        created = _claim_file(root, path, data)
+    except BaseException:
+        _HELD.discard(owner.token)
+        raise
+    if not created:
+        _HELD.discard(owner.token)
+    return created
+
+
 def _json(body: dict[str, Any]) -> bytes:
     return json.dumps(body, indent=2, sort_keys=True, default=str).encode()
 
@@ -187,12 +202,11 @@ def claim(
             "owner": asdict(owner),
             "record_version": RECORD_VERSION,
         }
-        if not _claim_file(root, root.campaign_file(run_id), _json(body)):
+        if not _create_owned(root, root.campaign_file(run_id), owner, _json(body)):
             raise CampaignError(
                 f"campaign {run_id!r} was started by another process a moment ago; "
                 f"pick another --run-id, or resume it later with `rlrounds run --resume {run_id}`"
             )
-        _HELD.add(owner.token)
         return owner
     if mode == "new":
         raise CampaignError(
@@ -221,9 +235,8 @@ def claim(
     if dry_run:
         return None
     successor = _this_process(owner.generation + 1)
-    if not _claim_file(root, root.campaign_owner(run_id, successor.generation), _json(asdict(successor))):
+    if not _create_owned(root, root.campaign_owner(run_id, successor.generation), successor, _json(asdict(successor))):
         raise CampaignError(f"campaign {run_id!r} was resumed by another process a moment ago; let that one finish")
-    _HELD.add(successor.token)
     return successor
 
 

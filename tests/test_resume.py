@@ -14,6 +14,7 @@ from typing import Annotated
 
 import pytest
 
+from storage import campaigns
 from storage.campaigns import (
     CampaignError,
     Owner,
@@ -127,6 +128,30 @@ def test_a_dead_owner_is_taken_over_once(tmp_path):
     record = json.load(open(root.campaign_file("r1")))
     assert winners[0].generation == 1 and current_owner(root, "r1", record) == winners[0]
     release(winners[0])
+
+
+def test_a_resume_arriving_just_after_a_takeover_finds_its_owner_alive(tmp_path, monkeypatch):
+    """The window six racing threads hit only now and then, opened on purpose: a second resume in the
+    same process reads the new owner record the moment it exists, before the first claim returns."""
+    root = StorageRoot.of(str(tmp_path))
+    release(claim(root, "r1", CONFIG, IDENTITY, "new"))
+    _record_owner(root, "r1", token="dead", pid=_dead_pid())
+    create = campaigns._claim_file
+    late = []
+
+    def create_then_race(root_, path, data):
+        created = create(root_, path, data)
+        if created and not late:
+            late.append(None)
+            with pytest.raises(CampaignError, match="still running"):
+                claim(root, "r1", CONFIG, IDENTITY, "resume")
+        return created
+
+    monkeypatch.setattr(campaigns, "_claim_file", create_then_race)
+    first = claim(root, "r1", CONFIG, IDENTITY, "resume")
+    assert late and first.generation == 1
+    assert current_owner(root, "r1", json.load(open(root.campaign_file("r1")))) == first
+    release(first)
 
 
 def test_an_owner_on_another_host_needs_takeover_and_the_old_owner_stops(tmp_path):

@@ -4,7 +4,8 @@
    seconds and greedy held-out accuracy, as recorded in its lineage.json.
 2. Completion lengths on the base policy: ``--groups`` prompts from the preset's stream, sampled as the
    preset's rollout samples them (temperature, samples per prompt, max_tokens); p50/p90/p99/max in
-   tokens (end-of-sequence included), the share cut at max_tokens, and p99 / p50.
+   tokens (end-of-sequence included), the share cut at max_tokens, and p99 / p50; and how far that ratio is
+   from moving: the share of samples shorter than the median, and the share at least 8x the median.
 3. Environment latency (a SIMULATION, tasks/verifiers/simulated_env.py): every one of those samples is
    verified through the preset's simulated environment in a real verifier pool; p50/p90/p99/max of the
    measured seconds per call, and p99 / p50.
@@ -100,6 +101,18 @@ def main() -> None:
         f"temperature {rc.rollout.temperature}, max_tokens {rc.rollout.max_tokens}, {gen_s:.1f} s): "
         f"p50 {lengths['p50']} p90 {lengths['p90']} p99 {lengths['p99']} max {lengths['max']}; "
         f"p99/p50 {lengths['p99'] / lengths['p50']:.1f}; {cut:.1%} cut at max_tokens",
+        flush=True,
+    )
+
+    # How far the ratio is from moving: the median drops once over half the samples are shorter than it,
+    # and p99 reaches 8x the median once 1% of samples are that long.
+    tokens = figures["completion_tokens"]
+    tokens["share_below_p50"] = sum(len(s.token_ids) < lengths["p50"] for s in samples) / len(samples)
+    tokens["share_at_least_8x_p50"] = sum(len(s.token_ids) >= 8 * lengths["p50"] for s in samples) / len(samples)
+    print(
+        f"samples shorter than the median: {tokens['share_below_p50']:.1%} (it drops at 50%); "
+        f"at least 8x the median ({8 * lengths['p50']} tokens): {tokens['share_at_least_8x_p50']:.2%} "
+        "(p99/p50 >= 8 at 1%)",
         flush=True,
     )
 

@@ -195,14 +195,15 @@ def campaign(storage: str, preset: str, mode: str, rounds: int, seed: int, targe
     )
     result = rl_campaign(config=config, storage=storage, resume=False)
     history = result["rounds"]
-    seconds, to_target, to_level = 0.0, None, {}
+    seconds, to_target = 0.0, None
+    to_level: dict[str, float | None] = {f"{level:.2f}": None for level in CURVE_LEVELS}
     for entry in history[1:]:
         seconds += entry["seconds"]
         if to_target is None and entry["accuracy"] >= target:
             to_target = {"seconds": seconds, "round": entry["round"]}
         for level in CURVE_LEVELS:
-            if entry["accuracy"] >= level:
-                to_level.setdefault(f"{level:.2f}", seconds)
+            if entry["accuracy"] >= level and to_level[f"{level:.2f}"] is None:
+                to_level[f"{level:.2f}"] = seconds
     return {
         "seconds_to_target": None if to_target is None else to_target["seconds"],
         "rounds_to_target": None if to_target is None else to_target["round"],
@@ -212,7 +213,7 @@ def campaign(storage: str, preset: str, mode: str, rounds: int, seed: int, targe
         "rounds": len(history) - 1,
         "seconds": seconds,
         "seconds_per_round": seconds / max(1, len(history) - 1),
-        "seconds_to_accuracy": {f"{level:.2f}": to_level.get(f"{level:.2f}") for level in CURVE_LEVELS},
+        "seconds_to_accuracy": to_level,
         "trainer_idle_fraction": 1 - sum(e["stage_seconds"].get("train_s", 0.0) for e in history[1:]) / seconds,
         "generator_idle_fraction": 1 - sum(e["generating_s"] for e in history[1:]) / seconds,
         "run_id": result["run_id"],

@@ -106,14 +106,13 @@ def _create_owned(root: StorageRoot, path: str, owner: Owner, data: bytes) -> bo
     that reads the record a moment after it appears must already find its owner alive (owner_alive
     takes a token of this process's pid that is not held for an ended campaign's)."""
     _HELD.add(owner.token)
+    created = False
     try:
         created = _claim_file(root, path, data)
-    except BaseException:
-        _HELD.discard(owner.token)
-        raise
-    if not created:
-        _HELD.discard(owner.token)
-    return created
+        return created
+    finally:
+        if not created:
+            _HELD.discard(owner.token)
 
 
 def _json(body: dict[str, Any]) -> bytes:

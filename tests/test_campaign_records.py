@@ -44,24 +44,30 @@ def _record_owner(root: StorageRoot, run_id: str, **fields) -> None:
     open(path, "w").write(json.dumps(record))
 
 
+def _claim_at_once(root: StorageRoot, mode: str, threads: int) -> tuple[list[Owner], list[str]]:
+    """``threads`` claims of run r1 started together: the owners won and the errors of those that lost."""
+    won, lost = [], []
+
+    def one():
+        try:
+            won.append(claim(root, "r1", CONFIG, IDENTITY, mode))
+        except CampaignError as exc:
+            lost.append(str(exc))
+
+    started = [threading.Thread(target=one) for _ in range(threads)]
+    for t in started:
+        t.start()
+    for t in started:
+        t.join()
+    return won, lost
+
+
 # -- ownership ---------------------------------------------------------------------------------------
 
 
 def test_one_of_many_concurrent_starts_wins(tmp_path):
     root = StorageRoot.of(str(tmp_path))
-    won, lost = [], []
-
-    def start():
-        try:
-            won.append(claim(root, "r1", CONFIG, IDENTITY, "new"))
-        except CampaignError as exc:
-            lost.append(str(exc))
-
-    threads = [threading.Thread(target=start) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    won, lost = _claim_at_once(root, "new", 8)
     assert len(won) == 1 and len(lost) == 7
     assert all("already holds a campaign" in m or "started by another process" in m for m in lost)
     assert os.listdir(os.path.dirname(root.campaign_file("r1"))) == ["campaign.json"]  # the losers wrote nothing
@@ -104,19 +110,7 @@ def test_a_dead_owner_is_taken_over_once(tmp_path):
     root = StorageRoot.of(str(tmp_path))
     release(claim(root, "r1", CONFIG, IDENTITY, "new"))
     _record_owner(root, "r1", token="dead", pid=_dead_pid())
-    winners, losers = [], []
-
-    def resume():
-        try:
-            winners.append(claim(root, "r1", CONFIG, IDENTITY, "resume"))
-        except CampaignError as exc:
-            losers.append(str(exc))
-
-    threads = [threading.Thread(target=resume) for _ in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    winners, losers = _claim_at_once(root, "resume", 6)
     assert len(winners) == 1 and all("resumed by another process" in m or "still running" in m for m in losers)
     record = json.load(open(root.campaign_file("r1")))
     assert winners[0].generation == 1 and current_owner(root, "r1", record) == winners[0]

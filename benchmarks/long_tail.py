@@ -4,14 +4,16 @@
    seconds and greedy held-out accuracy, as recorded in its lineage.json.
 2. Completion lengths on the base policy: ``--groups`` prompts from the preset's stream, sampled as the
    preset's rollout samples them (temperature, samples per prompt, max_tokens); p50/p90/p99/max in
-   tokens (end-of-sequence included), the share cut at max_tokens, and p99 / p50; and how far that ratio is
-   from moving: the share of samples shorter than the median, and the share at least 8x the median.
+   tokens (end-of-sequence included), the share cut at max_tokens, and p99 / p50; how far that ratio is
+   from moving: the share of samples shorter than the median, and the share at least 8x the median; and
+   the run-ons: wrong samples that end at least ``RUN_ON_TOKENS`` past the right answer's length.
+   ``--temperature`` samples at another temperature than the preset's (how the tail depends on it).
 3. Environment latency (a SIMULATION, tasks/verifiers/simulated_env.py): every one of those samples is
    verified through the preset's simulated environment in a real verifier pool; p50/p90/p99/max of the
    measured seconds per call, and p99 / p50.
 4. Greedy held-out accuracy of the base by span (how many numbers past the first it must count down).
 
-    python benchmarks/long_tail.py [--storage DIR] [--groups 256] [--json PATH]
+    python benchmarks/long_tail.py [--storage DIR] [--groups 1024] [--temperature T] [--json PATH]
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ import json
 import os
 import time
 import warnings
+
+RUN_ON_TOKENS = 40
+"""A wrong sample this many tokens past the right answer's length ran on (the task's answers differ
+by four tokens a step, so this is ten numbers too many)."""
 
 
 def quantiles(values: list[float]) -> dict[str, float]:
@@ -36,10 +42,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--storage", default="./rlrounds-data", help="storage root whose base/ caches the base policy")
     parser.add_argument("--preset", default="long-tail")
-    parser.add_argument("--groups", type=int, default=256, help="prompts sampled (each samples_per_prompt times)")
+    parser.add_argument("--groups", type=int, default=1024, help="prompts sampled (each samples_per_prompt times)")
+    parser.add_argument("--temperature", type=float, help="sampling temperature (default: the preset's)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
+    if args.temperature is not None and not 0 < args.temperature <= 5:
+        parser.error(f"--temperature must be in (0, 5], got {args.temperature}")
     warnings.filterwarnings("ignore")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
@@ -77,7 +86,8 @@ def main() -> None:
     engine, tokenizer = make_engine(
         rc.rollout.engine, base.checkpoint, rc.rollout.dtype, policy_version=0, max_batch=rc.rollout.max_batch
     )
-    sampling = SamplingParams(rc.rollout.temperature, rc.rollout.top_p, rc.rollout.max_tokens, args.seed)
+    temperature = rc.rollout.temperature if args.temperature is None else args.temperature
+    sampling = SamplingParams(temperature, rc.rollout.top_p, rc.rollout.max_tokens, args.seed)
     stream = prompt_stream(rc.prompts, args.seed)
     prompts = {f"g{i}": next(stream) for i in range(args.groups)}
     requests = [
@@ -94,11 +104,12 @@ def main() -> None:
         "p99_over_p50": lengths["p99"] / lengths["p50"],
         "cut_at_max_tokens": cut,
         "samples": len(samples),
+        "temperature": temperature,
         "max_tokens": rc.rollout.max_tokens,
     }
     print(
         f"completion tokens over {len(samples)} samples ({args.groups} prompts x {rc.rollout.samples_per_prompt}, "
-        f"temperature {rc.rollout.temperature}, max_tokens {rc.rollout.max_tokens}, {gen_s:.1f} s): "
+        f"temperature {temperature}, max_tokens {rc.rollout.max_tokens}, {gen_s:.1f} s): "
         f"p50 {lengths['p50']} p90 {lengths['p90']} p99 {lengths['p99']} max {lengths['max']}; "
         f"p99/p50 {lengths['p99'] / lengths['p50']:.1f}; {cut:.1%} cut at max_tokens",
         flush=True,
@@ -115,15 +126,25 @@ def main() -> None:
         "(p99/p50 >= 8 at 1%)",
         flush=True,
     )
+    texts = [tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
+    right_length = {  # the right answer's tokens and end-of-sequence
+        gid: len(tokenizer(p.reference, add_special_tokens=False)["input_ids"]) + 1 for gid, p in prompts.items()
+    }
+    wrong = [s for s, text in zip(samples, texts) if text != prompts[s.group_id].reference]
+    run_ons = sum(len(s.token_ids) >= right_length[s.group_id] + RUN_ON_TOKENS for s in wrong)
+    tokens["wrong_share"] = len(wrong) / len(samples)
+    tokens["run_on_share"] = run_ons / len(samples)
+    print(
+        f"wrong samples: {tokens['wrong_share']:.1%}; run-ons (wrong, ending {RUN_ON_TOKENS}+ tokens past the right "
+        f"answer's length): {tokens['run_on_share']:.1%} of all samples",
+        flush=True,
+    )
 
     env = rc.verify.simulated_environment
     verifier = rollout_verifier(rc.verifier, rc.verify, round_seed=args.seed)
     start = time.perf_counter()
     with VerifierPool(verifier, rc.verify.workers) as pool:
-        futures = [
-            pool.submit(tokenizer.decode(s.token_ids, skip_special_tokens=True), prompts[s.group_id].reference)
-            for s in samples
-        ]
+        futures = [pool.submit(text, prompts[s.group_id].reference) for s, text in zip(samples, texts)]
         verdicts = [f.result() for f in futures]
     verify_s = time.perf_counter() - start
     latency = quantiles([v.latency_s for v in verdicts])

@@ -47,12 +47,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
-    if args.temperature is not None and not 0 < args.temperature <= 5:
-        parser.error(f"--temperature must be in (0, 5], got {args.temperature}")
     warnings.filterwarnings("ignore")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-    from flows.config import load_campaign_config
+    from pydantic import ValidationError
+
+    from flows.config import describe_validation_error, load_campaign_config
     from models.engine import GroupRequest, SamplingParams
     from tasks.base import run_prepare_base
     from tasks.engines import make_engine
@@ -61,6 +61,12 @@ def main() -> None:
     from tasks.verifiers.registry import rollout_verifier
 
     rc = load_campaign_config(None, args.preset).round
+    if args.temperature is not None:  # checked by the rollout config's own bounds
+        try:
+            rollout = rc.rollout.model_validate({**rc.rollout.model_dump(), "temperature": args.temperature})
+        except ValidationError as exc:
+            parser.error(describe_validation_error(exc, None, type(rc.rollout)))
+        rc = rc.model_copy(update={"rollout": rollout})
     start = time.perf_counter()
     base = run_prepare_base(
         storage=args.storage, base_model=rc.policy.base_model, progress=lambda m: print(f"  {m}", flush=True)
@@ -86,7 +92,7 @@ def main() -> None:
     engine, tokenizer = make_engine(
         rc.rollout.engine, base.checkpoint, rc.rollout.dtype, policy_version=0, max_batch=rc.rollout.max_batch
     )
-    temperature = rc.rollout.temperature if args.temperature is None else args.temperature
+    temperature = rc.rollout.temperature
     sampling = SamplingParams(temperature, rc.rollout.top_p, rc.rollout.max_tokens, args.seed)
     stream = prompt_stream(rc.prompts, args.seed)
     prompts = {f"g{i}": next(stream) for i in range(args.groups)}

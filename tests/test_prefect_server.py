@@ -26,6 +26,7 @@ MODEL = "srv-policy"
 ROUND = {"train": {"groups_per_step": 2, "steps_per_round": 2}, "publish": {"model_name": MODEL}}
 START_TIMEOUT_S = 180  # a first server start runs its migrations; 2 shared cores take their time
 RUN_TIMEOUT_S = 600
+LOG_WAIT_S = 60  # logs are shipped in batches and may land after the run is Completed
 
 
 def _free_port() -> int:
@@ -148,6 +149,31 @@ def _artifacts(client, flow_run_ids: set[str]) -> list:
         any_=list(flow_run_ids))))
 
 
+def _logs_containing(client, flow_run_ids: set[str], wanted: list[str], timeout: float = LOG_WAIT_S) -> str:
+    """All log messages of these flow runs, read until each wanted text is there or the wait is over.
+
+    A flow run's process ships its logs in batches, so the last of them may reach the server after the
+    run is already Completed; the logs are read in pages, oldest first, so none is cut off by a limit.
+    """
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.client.schemas.sorting import LogSort
+
+    log_filter = LogFilter(flow_run_id=LogFilterFlowRunId(any_=list(flow_run_ids)))
+    deadline = time.monotonic() + timeout
+    while True:
+        messages, page = [], 200
+        while True:
+            found = client.read_logs(log_filter=log_filter, limit=page, offset=len(messages),
+                                     sort=LogSort.TIMESTAMP_ASC)
+            messages += [log.message for log in found]
+            if len(found) < page:
+                break
+        logs = " ".join(messages)
+        if all(text in logs for text in wanted) or time.monotonic() > deadline:
+            return logs
+        time.sleep(2)
+
+
 def test_deployments_forms_and_schedule_are_registered(server):
     with _client() as client:
         campaign = client.read_deployment_by_name("rl-campaign/campaign")
@@ -184,11 +210,8 @@ def test_campaign_deployment_completes_with_artifacts_and_lineage(server, campai
         table = client.read_latest_artifacts()  # the latest version of each key
         rounds = next(a for a in table if a.key == "campaign-srv-rounds")
         assert '"round": 1' in str(rounds.data).replace("'", '"')  # updated after round 1
-        from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
-
-        found = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=list(runs))), limit=200)
-        logs = " ".join(log.message for log in found)
-        assert "round 1: rollout started" in logs and "round 1: train done in" in logs
+        logs = _logs_containing(client, runs, ["round 1: rollout started", "round 1: train done in"])
+        assert "round 1: rollout started" in logs and "round 1: train done in" in logs, logs[-2000:]
     versions = _registry(server["storage"]).search_model_versions(f"name = '{MODEL}'")
     by_round = {v.tags["round"]: v for v in versions if v.tags["run_id"] == "srv"}
     assert by_round["0"].tags["prefect_flow_run_id"] == str(campaign_run.id)

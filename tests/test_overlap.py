@@ -148,12 +148,14 @@ def test_a_round_that_fails_cancels_the_rollout_waiting_for_its_weights(
     storage = str(tmp_path / "data")
     seed_builtin_base(storage)
     root = StorageRoot.of(storage)
-    # the update point after 2 finished samples, and 8 groups at a time in the engine: round 2's rollout
-    # cannot fill its batch of 4 trainable groups before it reaches the update point
+    # the update point after the first finished sample, and no partial rollouts: round 2's rollout carries
+    # nothing over from round 1 and is never stopped early, so it always reaches the update point and waits
+    # there. (With partial rollouts, round 1's samples carried unverified could fill round 2's batch of 4
+    # trainable groups before any sample finished, and the rollout then ended without the weights.)
     small = {
         "mode": "overlap",
         "overlap_update_after": 0.05,
-        "rollout": {"max_batch": 64},
+        "rollout": {"max_batch": 64, "partial_rollouts": False},
         "train": {"groups_per_step": 2, "steps_per_round": 2},
     }
     config = CampaignConfig.model_validate({"rounds": 2, "run_id": "cancel", "round": small})

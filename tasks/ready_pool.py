@@ -20,9 +20,11 @@ One round's collection, as an object the rollout stage drives:
 - ``feed_batch`` and ``drain`` instead give a synchronous barrier (generate a fixed batch, wait for every
   sample and verdict, repeat while short of the target): the way most trainers collect, kept as the
   baseline the ready pool is measured against (rollout.collection, benchmarks/batch_collection.py).
-- With ``stop_in_flight`` the engine is told to stop (``should_stop``) once the target is reached;
-  its unfinished samples come back partial and are carried over with their prefixes, as are
-  finished samples still waiting on the environment. Without it, samples in flight run to the end.
+- With ``stop_in_flight`` the engine is told to stop (``should_stop``) once the target is reached, or
+  (``stop_at_cap_below``) once a round short of its target has fed all it may and only its tail is
+  still generating; its unfinished samples come back partial and are carried over with their
+  prefixes, as are finished samples still waiting on the environment. Without it, samples in flight
+  run to the end.
 
 Determinism. The stop decision depends on verdicts, which arrive on other threads. While the
 environment answers within ``verdict_wait_s``, the pool waits for the verdicts of every generated
@@ -37,7 +39,7 @@ every sample of a carried group is either finished (with or without its verdict)
 
 from __future__ import annotations
 
-import concurrent.futures
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -114,6 +116,11 @@ class PoolLimits:
     """How long a decision may wait for verdicts before the environment counts as slow (see module doc)."""
     stop_in_flight: bool = True
     """Stop the engine's unfinished samples once the target is reached, and carry them over."""
+    stop_at_cap_below: int | None = None
+    """With ``stop_in_flight``: a round that has fed every fresh group it may (the over-provisioning cap)
+    without reaching its target stops too, once at most this many samples are still generating (the
+    engine's refill point: its batch is half empty and nothing is left to fill it). Past the cap nothing
+    in flight can bring in more than it will next round, when it is resumed. None: they run to the end."""
 
 
 @dataclass
@@ -146,13 +153,21 @@ class ReadyPool:
         self._backlog: deque[tuple[Group, Slot]] = deque()  # finished samples waiting for a verifier
         self._outstanding: dict[Future, tuple[Group, Slot]] = {}
         # verdicts land here from the verifier threads as they finish (deque appends are thread-safe),
-        # so reading them costs one pop each instead of polling every outstanding future per sample
+        # so reading them costs one pop each instead of polling every outstanding future per sample;
+        # the same callback sets _landed, which is all a wait for a verdict blocks on (waiting on the
+        # futures themselves installs a waiter on each of up to max_outstanding futures per wait:
+        # measured, a third of a late long-tail round went to that bookkeeping)
         self._arrived: deque[Future] = deque()
+        self._landed = threading.Event()
+        self._finished = False
         self._unresolved: dict[str, Group] = {}  # generated groups without every verdict
         self._generated = 0
         self.trainable = 0
         self.batch_ready_at: float | None = None
         self.stopped_at: float | None = None
+        self.fed_all = False  # feed gave every fresh group it may: the cap, or the end of the stream
+        self._generating = 0  # samples handed to the engine and not yet returned (finished or partial)
+        self._finished_here = 0  # samples the engine finished in this round
         self._patient = limits.verdict_wait_s > 0
 
     # -- feeding -----------------------------------------------------------------------------------
@@ -171,21 +186,28 @@ class ReadyPool:
         self._collect()
 
     def feed(self, fresh: Iterable[Group], max_fresh: int) -> Iterator[GroupRequest]:
-        """Carried groups' unfinished samples, then fresh groups until the target is reached."""
+        """Carried groups' unfinished samples, then fresh groups until the target is reached, ``max_fresh``
+        groups are fed (the over-provisioning cap) or ``fresh`` ends. Past the cap, nothing the engine
+        still holds can bring in more than it would bring next round, so with ``stop_in_flight`` the round
+        stops there too instead of waiting for its slowest sample (``should_stop``)."""
         for group in self._carried:
             request = group.resume_request()
             if request is not None:
                 yield request
         count = 0
         for group in fresh:
-            if count >= max_fresh or self.batch_full():
+            if count >= max_fresh:
+                break
+            if self.batch_full():
                 return
             self._hold_for_environment()
             if self.batch_full():
                 return
             count += 1
             self.groups[group.request.group_id] = group
+            self._generating += group.request.n
             yield group.request
+        self.fed_all = True
 
     def feed_batch(self, batch: Iterable[Group]) -> Iterator[GroupRequest]:
         """A synchronous barrier's batch: carried groups' unfinished samples (the first time only), then
@@ -195,18 +217,18 @@ class ReadyPool:
         for group in carried:
             request = group.resume_request()
             if request is not None:
+                self._generating += len(request.resume)
                 yield request
         for group in batch:
             self.groups[group.request.group_id] = group
+            self._generating += group.request.n
             yield group.request
 
     def drain(self) -> None:
         """Wait for the verdict of every finished sample (the barrier)."""
         self._collect()
         while self._backlog or self._outstanding:
-            self._pump()
-            concurrent.futures.wait(list(self._outstanding), return_when=concurrent.futures.FIRST_COMPLETED)
-            self._collect(sweep=True)
+            self._await_verdict(None)
 
     def batch_full(self) -> bool:
         """Does the pool hold the target number of trainable groups? (May wait: see module doc.)"""
@@ -216,10 +238,20 @@ class ReadyPool:
         return self.trainable >= self.target
 
     def should_stop(self) -> bool:
-        """Polled by the engine before each step: stop the samples still generating?"""
-        if self.stopped_at is None and self.limits.stop_in_flight and self.batch_full():
+        """Polled by the engine before each step: stop the samples still generating? Yes, with
+        ``stop_in_flight``, once the batch is full or every group the round may feed has been fed."""
+        if self.stopped_at is None and self.limits.stop_in_flight and (self._tail_at_cap() or self.batch_full()):
             self.stopped_at = self._clock()
         return self.stopped_at is not None
+
+    def _tail_at_cap(self) -> bool:
+        """Every fresh group is fed and what still generates is the round's tail: at most
+        ``stop_at_cap_below`` samples, and no more than have already finished this round (so a round
+        whose whole feed fits in the engine at once still runs, never ending with nothing done)."""
+        below = self.limits.stop_at_cap_below
+        return (
+            self.fed_all and below is not None and self._generating <= below and self._generating <= self._finished_here
+        )
 
     # -- samples -----------------------------------------------------------------------------------
 
@@ -230,10 +262,12 @@ class ReadyPool:
         slot = group.slots[sample.sample_index]
         if slot.finished:
             raise ValueError(f"sample {sample.group_id}/{sample.sample_index} was returned twice")
+        self._generating -= 1
         if sample.partial:
             slot.carried_partial = sample
         else:
             slot.sample, slot.carried_partial = sample, None
+            self._finished_here += 1
             slot.text = self._decode(sample.token_ids)
             self._backlog.append((group, slot))
             self._check_generated(group)
@@ -252,7 +286,8 @@ class ReadyPool:
             self.drain()
         elif self._patient:
             self._wait(lambda: not self._backlog and not self._outstanding)
-        self._collect(sweep=True)
+        self._collect()
+        self._finished = True
         ready = sorted((g for g in self.groups.values() if g.verified), key=lambda g: g.generated_seq)
         carry = [g for g in self.groups.values() if not g.verified]
         for group in carry:  # their verdicts are not read any more: they are verified again when carried in
@@ -283,23 +318,33 @@ class ReadyPool:
             group, slot = self._backlog.popleft()
             future = self._submit(slot.text or "", group.reference)
             self._outstanding[future] = (group, slot)
-            future.add_done_callback(lambda _f, s=slot, clock=self._clock: setattr(s, "verified_at", clock()))
-            future.add_done_callback(self._arrived.append)
+            future.add_done_callback(lambda f, s=slot: self._land(f, s))
 
-    def _collect(self, sweep: bool = False) -> None:
-        """Read the verdicts that have arrived, hand waiting samples to the verifier, count ready groups.
+    def _land(self, future: Future, slot: Slot) -> None:
+        """A verdict's callback, on the thread that resolved it: time it, queue it, wake a waiter. The
+        queue is filled before the wake-up, so a woken waiter always finds what woke it. A verdict that
+        lands after ``finish`` is not read: its sample was carried, to be verified again."""
+        if self._finished:
+            return
+        slot.verified_at = self._clock()
+        self._arrived.append(future)
+        self._landed.set()
 
-        ``sweep``: also read futures that are done but whose callback has not run yet (a waiter is woken
-        before a future's callbacks run); used after waiting, where a missed verdict would change the
-        round's stop point."""
+    def _await_verdict(self, timeout: float | None) -> None:
+        """Block until a verdict lands (at most ``timeout`` seconds; None: until one does), then read
+        whatever has. The event is cleared before the queue is read: a verdict landing after the read
+        sets it again, so it is never slept through."""
+        if self._outstanding:
+            self._landed.wait(timeout)
+        self._landed.clear()
+        self._collect()
+
+    def _collect(self) -> None:
+        """Read the verdicts that have arrived, hand waiting samples to the verifier, count ready groups."""
         while True:
-            if sweep:
-                self._arrived.extend(f for f in list(self._outstanding) if f.done())
             arrived = 0
             while self._arrived:
                 future = self._arrived.popleft()
-                if future not in self._outstanding:  # read by a sweep before its callback ran
-                    continue
                 group, slot = self._outstanding.pop(future)
                 slot.verdict = future.result()
                 self._resolve(group)
@@ -325,10 +370,7 @@ class ReadyPool:
         in flight keep decoding only as far as its next refill, which is where it asks for this group.
         While the environment keeps up (the pool is patient) this never waits, so rows stay reproducible."""
         while not self._patient and len(self._backlog) >= self.limits.max_outstanding and self._outstanding:
-            concurrent.futures.wait(
-                list(self._outstanding), timeout=0.05, return_when=concurrent.futures.FIRST_COMPLETED
-            )
-            self._collect(sweep=True)
+            self._await_verdict(0.05)
 
     def _wait(self, until: Callable[[], bool]) -> None:
         """Wait for verdicts until ``until()`` holds; past ``verdict_wait_s`` the environment is slow."""
@@ -339,7 +381,4 @@ class ReadyPool:
             if left <= 0 or not self._outstanding:
                 self._patient = False
                 return
-            concurrent.futures.wait(
-                list(self._outstanding), timeout=left, return_when=concurrent.futures.FIRST_COMPLETED
-            )
-            self._collect(sweep=True)
+            self._await_verdict(left)

@@ -98,6 +98,7 @@ def report_sections(s: dict) -> list[tuple[str, list[tuple[str, str]]]]:
         ("long tail", [
             *_tail(s, "generation latency", "rollout/gen_latency"),
             *_tail(s, "environment latency", "verify/env_latency"),
+            *_tail(s, "wait for a free verifier (verify.workers)", "verify/queue_wait"),
             ("slow environment (stop point timing-dependent)", _fmt(s, "rollout/slow_environment", ".0f")),
         ]),
         ("carry-over", [

@@ -196,6 +196,7 @@ def generate_and_verify(
         max_outstanding=max(2 * verify.workers, rollout.max_batch),
         verdict_wait_s=rollout.verdict_wait_s,
         stop_in_flight=rollout.partial_rollouts and rollout.collection == "ready_pool",
+        stop_at_cap_below=rollout.max_batch * rollout.replicas // 2,  # where the engines would refill
     )
     pool = ReadyPool(verifiers.submit, decode, trainable, target_groups, limits)
     harvest: Harvest | None = None
@@ -285,6 +286,19 @@ def quantiles(values: list[float], prefix: str) -> dict[str, float]:
     }
 
 
+def verifier_waits(rows: list[dict], start: float) -> list[float]:
+    """Seconds each sample finished in this round waited for a free verifier: from the end of its
+    generation to its verdict, less the verifier call itself. Near zero while verify.workers keeps up with
+    the engine; when the environment's concurrency is the round's bottleneck, this is where it shows."""
+    waits = []
+    for r in rows:
+        finished, verified, latency = r["finished_at"], r["verified_at"], r["verify_latency_s"]
+        if verified is None or latency is None or finished.timestamp() < start:
+            continue
+        waits.append(max(0.0, verified.timestamp() - finished.timestamp() - latency))
+    return waits
+
+
 def rollout_stats(
     rows: list[dict],
     carry_rows: list[dict],
@@ -315,6 +329,7 @@ def rollout_stats(
         "rollout/stop_to_end_s": end - harvest.stopped_at if harvest.stopped_at else 0.0,
         **quantiles([r["gen_latency_s"] for r in rows], "rollout/gen_latency"),
         **quantiles([r["verify_latency_s"] for r in rows if r["verify_latency_s"] is not None], "verify/env_latency"),
+        **quantiles(verifier_waits(rows, start), "verify/queue_wait"),
         "rollout/mean_completion_tokens": tokens / max(len(rows), 1),
         "rollout/truncated_fraction": sum(r["finish_reason"] == "length" for r in rows) / max(len(rows), 1),
         "rollout/policy_version_min": min(versions, default=0),

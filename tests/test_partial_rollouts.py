@@ -124,3 +124,19 @@ def test_a_synchronous_barrier_generates_whole_batches_of_the_target(tiny_policy
     # every group keeps every sample: whole batches of target_groups (3), generated and verified to the end
     assert s["rollout/groups"] % 3 == 0 and len(result.rows) == 4 * s["rollout/groups"]
     assert all(r["outcome"] and r["finish_reason"] in ("stop", "length") for r in result.rows)
+
+
+def test_a_verifier_pool_too_small_for_the_engine_shows_as_queue_wait(tiny_policy_dir):
+    model, tok = load_policy(tiny_policy_dir)
+    engine = EmbeddedEngine(model, tok.eos_token_id, tok.pad_token_id, max_batch=ROLLOUT.max_batch)
+    delay = {"median_latency_s": 0.01, "p99_over_median": 1.0}  # every call waits exactly 10 ms
+    waits = {}
+    for workers in (1, 64):
+        verify = VerifyConfig(workers=workers, simulated_environment=delay)
+        result = generate_and_verify(
+            engine, tok, PromptsConfig(), ROLLOUT, verify, FILTER, target_groups=3, seed=7, run_id="t", round_index=1
+        )
+        waits[workers] = result.stats["verify/queue_wait_p90_s"]
+        assert result.stats["verify/env_latency_p50_s"] == pytest.approx(0.01, abs=0.005)
+    # one worker verifies 100 samples a second, far fewer than the engine finishes: they queue for it
+    assert waits[1] > 0.05 and waits[64] < waits[1] / 5, waits

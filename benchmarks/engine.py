@@ -7,10 +7,15 @@ Three workloads, all sampled at temperature 1 with n samples per prompt:
                about once every vocabulary-size steps, so lengths are geometric: most short, a few long.
                ``generate`` keeps every row of a static batch computing until the longest finishes;
                the embedded engine retires each sequence when it ends.
+- refilled tail: the long-tailed lengths through an engine of ``--tail-rows`` rows fed ``--tail-prompts``
+               prompts, so rows join as others leave and most rows are short beside a few long ones
+               (a long-tail rollout's shape);
 - rollout:     the default round's shape: ``--rollout-prompts`` prompts x 4 samples, at most 8 tokens,
                eos-ended, through one engine of 1024 rows (rows leave and join all the time).
 Figures are useful tokens (up to and including eos) per second, median of ``--repeats`` runs, and the
 ratios embedded / generate and slots / padded, measured in this run, the runs of the engines interleaved.
+``1-pass`` is the slot cache with its attention in one pass over every row's span (models/kv_cache.py,
+``split_by_span``, turned off): ``split/1-pass`` is what the split saves when a few rows are long.
 ``generate`` is not asked for logprobs, the embedded engine always computes them.
 
     python benchmarks/engine.py [--prompts 32] [--samples 8] [--tokens 32] [--rollout-prompts 2048] [--repeats 3]
@@ -64,10 +69,20 @@ def run_generate(model, tokenizer, texts, samples: int, tokens: int, uniform: bo
 
 
 def run_embedded(
-    model, tokenizer, texts, samples: int, tokens: int, uniform: bool, kv_cache: str = "slots", max_batch: int = 0
+    model,
+    tokenizer,
+    texts,
+    samples: int,
+    tokens: int,
+    uniform: bool,
+    kv_cache: str = "slots",
+    max_batch: int = 0,
+    split: bool = True,
 ) -> tuple[int, float]:
+    from models import kv_cache as caches
     from models.engine import EmbeddedEngine, GroupRequest, SamplingParams
 
+    caches.SPLIT_MIN_ROWS = SPLIT_MIN_ROWS if split else 1 << 62
     engine = EmbeddedEngine(
         model, tokenizer.eos_token_id, tokenizer.pad_token_id, max_batch=max_batch or len(texts) * samples,
         kv_cache=kv_cache,
@@ -77,6 +92,15 @@ def run_embedded(
     start = time.perf_counter()
     useful = sum(len(s.token_ids) for s in engine.generate(requests))
     return useful, time.perf_counter() - start
+
+
+def _split_min_rows() -> int:
+    from models.kv_cache import SPLIT_MIN_ROWS
+
+    return SPLIT_MIN_ROWS
+
+
+SPLIT_MIN_ROWS = _split_min_rows()
 
 
 def measure(runs: dict, repeats: int) -> dict[str, tuple[float, int]]:
@@ -97,6 +121,8 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=32, help="new tokens (uniform) / cap (long-tailed)")
     parser.add_argument("--tail-tokens", type=int, default=128, help="length cap for the long-tailed workload")
+    parser.add_argument("--tail-prompts", type=int, default=512, help="prompts of the refilled-tail workload")
+    parser.add_argument("--tail-rows", type=int, default=512, help="engine rows of the refilled-tail workload")
     parser.add_argument("--rollout-prompts", type=int, default=2048, help="prompts of the rollout workload")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
@@ -110,26 +136,39 @@ def main() -> None:
     params = sum(p.numel() for p in model.parameters())
     print(f"model: Llama {params / 1e6:.2f}M parameters, {args.prompts} prompts x {args.samples} samples, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    header = ("generate tok/s", 15), ("padded tok/s", 14), ("slots tok/s", 13), ("emb/gen", 9), ("slots/pad", 10)
-    print(f"{'workload':<38}" + "".join(f"{title:>{width}}" for title, width in header))
+    header = (
+        ("generate tok/s", 15),
+        ("padded tok/s", 14),
+        ("slots tok/s", 13),
+        ("1-pass tok/s", 14),
+        ("emb/gen", 9),
+        ("slots/pad", 10),
+        ("split/1-pass", 13),
+    )
+    print(f"{'workload':<40}" + "".join(f"{title:>{width}}" for title, width in header))
     workloads = [
         ("uniform", texts, args.samples, args.tokens, True, 0),
         ("long-tailed", texts, args.samples, args.tail_tokens, False, 0),
+        ("refilled tail", prompts(args.tail_prompts), args.samples, args.tail_tokens, False, args.tail_rows),
         ("rollout", prompts(args.rollout_prompts), 4, 8, False, 1024),
     ]
     for name, batch, samples, tokens, uniform, rows in workloads:
         shape = (model, tokenizer, batch, samples, tokens, uniform)
         runs = {kv: functools.partial(run_embedded, *shape, kv, rows) for kv in ("padded", "slots")}
-        if rows == 0:  # generate runs one static batch; the rollout workload is larger than any batch
+        runs["1-pass"] = functools.partial(run_embedded, *shape, "slots", rows, split=False)
+        if rows == 0:  # generate runs one static batch; the refilled workloads are larger than any batch
             runs["generate"] = functools.partial(run_generate, *shape)
         got = measure(runs, args.repeats)
-        (pad, emb_tokens), (slots, _) = got["padded"], got["slots"]
+        (pad, emb_tokens), (slots, _), (one_pass, _) = got["padded"], got["slots"], got["1-pass"]
         label = f"{name} (<= {tokens} tokens, mean {emb_tokens / (len(batch) * samples):.1f})"
         generate, versus = f"{'-':>15}", f"{'-':>9}"
         if "generate" in got:
             hf = got["generate"][0]
             generate, versus = f"{hf:>15,.0f}", f"{slots / hf:>8.2f}x"
-        print(f"{label:<38}{generate}{pad:>14,.0f}{slots:>13,.0f}{versus}{slots / pad:>9.2f}x")
+        print(
+            f"{label:<40}{generate}{pad:>14,.0f}{slots:>13,.0f}{one_pass:>14,.0f}{versus}{slots / pad:>9.2f}x"
+            f"{slots / one_pass:>12.2f}x"
+        )
 
 
 if __name__ == "__main__":

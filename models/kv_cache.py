@@ -161,7 +161,13 @@ class SlotCache:
         live = self.live
         positions = self.lengths[:live]
         span = int(positions.max()) + 1
-        hidden_mask = torch.arange(span) > positions.unsqueeze(-1)  # [A, span] True: not this row's key
+        # Every row attends over the first `short` positions; the few rows holding more (the long tail)
+        # attend again over all `span` of theirs, and that answer replaces theirs. Without the split one
+        # run-on row makes every row of the batch pay for its length.
+        short, long_rows = split_by_span(positions, span)
+        short_mask = torch.arange(short) > positions.unsqueeze(-1)  # [A, short] True: not this row's key
+        if long_rows is not None:
+            long_mask = torch.arange(span) > positions[long_rows].unsqueeze(-1)  # [L, span]
         at = torch.arange(live) * self.width + positions  # each row's new column, in the flattened buffer
         hidden = self.model.model.embed_tokens(tokens).unsqueeze(1)  # [A, 1, hidden]
         cos, sin = self.cos[positions].view(live, 1, 1, -1), self.sin[positions].view(live, 1, 1, -1)
@@ -169,7 +175,10 @@ class SlotCache:
             q, k, v = self._project(layer, hidden, cos, sin)  # [A, 1, heads, head_dim]
             keys.view(-1, self.kv_heads, self.head_dim).index_copy_(0, at, k[:, 0])
             values.view(-1, self.kv_heads, self.head_dim).index_copy_(0, at, v[:, 0])
-            out = self._attend_one(q, keys[:live, :span], values[:live, :span], hidden_mask)
+            out = self._attend_one(q, keys[:live, :short], values[:live, :short], short_mask)
+            if long_rows is not None:
+                long_keys, long_values = (x[:, :span].index_select(0, long_rows) for x in (keys, values))
+                out[long_rows] = self._attend_one(q[long_rows], long_keys, long_values, long_mask)
             hidden = self._finish_layer(layer, hidden, out)
         self.lengths[:live] += 1
         return self._logits(hidden[:, 0])
@@ -236,6 +245,38 @@ class SlotCache:
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(self.model.model.norm(hidden)).float()
+
+
+SPLIT_MIN_ROWS = 32
+"""Batches smaller than this attend in one pass: the second pass's set-up costs more than it saves."""
+SPLIT_OVERHEAD_POSITIONS = 16
+"""The second pass's fixed cost, in positions of the whole batch (a rough figure: it decides only
+where the split pays, never the result)."""
+
+
+def split_by_span(positions: torch.Tensor, span: int) -> tuple[int, torch.Tensor | None]:
+    """Where to split a decode step's attention: (short, long_rows). Every row attends over the first
+    ``short`` key positions; ``long_rows`` (None: no split) hold more keys than that and attend again over
+    all ``span``. ``positions`` [A]: each row's new key index, so row i reads positions[i] + 1 keys.
+
+    Chooses the split that minimises A x short + 2 x L x span (the long rows' keys are gathered, then
+    attended; plus a fixed cost for the second pass): with most rows short and a few long ones, far less
+    than A x span. The result is the same either way;
+    only the work differs."""
+    import torch
+
+    live = positions.shape[0]
+    if live < SPLIT_MIN_ROWS or span - int(positions.min()) - 1 <= SPLIT_OVERHEAD_POSITIONS:
+        return span, None  # too few rows, or lengths too close for a second pass to pay
+    counts = torch.sort(positions + 1).values  # [A] keys per row, ascending
+    long_count = torch.arange(live - 1, -1, -1)  # split at sorted row i: short = counts[i], A-1-i rows after it
+    # a long row pays twice: the gather of its keys and values, then the attention over them
+    cost = live * counts + 2 * long_count * span + (long_count > 0) * SPLIT_OVERHEAD_POSITIONS * live
+    best = int(torch.argmin(cost))
+    short = int(counts[best])
+    if short >= span:
+        return span, None
+    return short, torch.nonzero(positions + 1 > short).squeeze(1)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

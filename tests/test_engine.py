@@ -380,3 +380,40 @@ def test_slot_and_padded_caches_give_the_same_logits_at_each_precision(tiny_poli
             order = slots.retire(keep)  # the slot cache moves rows; the padded one keeps the order it is given
             assert sorted(order) == keep and padded.retire(order) == order
             rows = [rows[i] for i in order]
+
+
+def test_the_attention_split_finds_the_long_rows_and_pays_only_where_it_saves():
+    from models.kv_cache import SPLIT_MIN_ROWS, split_by_span
+
+    tail = torch.tensor([4] * 36 + [100] * 4)  # 36 rows at their fifth key, 4 run-ons at their 101st
+    short, long_rows = split_by_span(tail, 101)
+    assert short == 5 and long_rows.tolist() == [36, 37, 38, 39]
+    assert split_by_span(torch.tensor([4] * 20 + [6] * 20), 7) == (7, None)  # near-even lengths: one pass
+    assert split_by_span(torch.tensor([4] * (SPLIT_MIN_ROWS - 2) + [100]), 101) == (101, None)  # a small batch
+
+
+def test_rows_attending_in_two_passes_get_the_logits_of_one(tiny_policy_dir, monkeypatch):
+    """A batch of short rows and a few long ones (a long tail): the slot cache's split attention gives
+    what one pass over every row's whole span gives, and what transformers' cache gives."""
+    from models import kv_cache
+    from models.kv_cache import PaddedCache, SlotCache, distinct_inputs, split_by_span
+
+    model, tok = load_policy(tiny_policy_dir)
+    prompt = tuple(tok(PROMPTS[1])["input_ids"])
+    inputs = [prompt] * 36 + [prompt + tuple(tok("123456789")["input_ids"][1:]) * 4] * 4  # 4 rows 36 keys longer
+    distinct, owner = distinct_inputs(inputs)
+    one_pass = SlotCache(model, 48, tok.pad_token_id)
+    split, padded = SlotCache(model, 48, tok.pad_token_id), PaddedCache(model, tok.pad_token_id)
+    with torch.inference_mode():
+        for cache in (one_pass, split, padded):
+            cache.admit(distinct, owner, 60)
+        short, long_rows = split_by_span(split.lengths[:40], int(split.lengths[:40].max()) + 1)
+        assert long_rows is not None and long_rows.tolist() == [36, 37, 38, 39] and short < 12
+        for step in range(3):
+            tokens = torch.tensor([3 + (row + step) % 10 for row in range(40)])
+            got_split, got_padded = split.step(tokens), padded.step(tokens)
+            monkeypatch.setattr(kv_cache, "SPLIT_MIN_ROWS", 10**9)
+            got_one = one_pass.step(tokens)
+            monkeypatch.setattr(kv_cache, "SPLIT_MIN_ROWS", 32)
+            assert torch.allclose(got_split, got_one, atol=1e-6), step
+            assert torch.allclose(got_split, got_padded, atol=1e-5), step

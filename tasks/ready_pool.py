@@ -245,12 +245,18 @@ class ReadyPool:
         return self.stopped_at is not None
 
     def _tail_at_cap(self) -> bool:
-        """Every fresh group is fed and what still generates is the round's tail: at most
-        ``stop_at_cap_below`` samples, and no more than have already finished this round (so a round
-        whose whole feed fits in the engine at once still runs, never ending with nothing done)."""
+        """Every fresh group is fed, what still generates is the round's tail (at most
+        ``stop_at_cap_below`` samples, and no more than have already finished this round, so a round
+        whose whole feed fits in the engine at once still runs), and the round holds a trainable group.
+        A round with none runs its tail out: stopped, it would end with nothing to train on (seen with
+        verdicts from a Ray cluster still on their way when the tail was reached)."""
         below = self.limits.stop_at_cap_below
         return (
-            self.fed_all and below is not None and self._generating <= below and self._generating <= self._finished_here
+            self.fed_all
+            and below is not None
+            and self.trainable > 0
+            and self._generating <= below
+            and self._generating <= self._finished_here
         )
 
     # -- samples -----------------------------------------------------------------------------------

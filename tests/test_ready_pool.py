@@ -181,18 +181,18 @@ def test_over_provisioning_feeds_past_untrainable_groups_up_to_the_cap():
 
 
 def test_a_round_short_of_its_target_at_the_cap_stops_at_its_tail():
-    # the target (5) is out of reach; g3's second sample is the round's straggler
-    lengths = {"g0": [2, 2], "g1": [2, 2], "g2": [2, 2], "g3": [2, 30]}
+    # the target (5) is out of reach, g2 is the round's one trainable group; g3's second sample is its straggler
+    lengths = {"g0": [2, 2], "g1": [2, 2], "g2": [2, 3], "g3": [2, 30]}
     limits = PoolLimits(verdict_wait_s=0.05, stop_at_cap_below=2)
     engine = ScriptedEngine(lengths, max_batch=4)
     _, harvest = collect(engine, ScriptedEnvironment(), lengths, target=5, fresh_ids=list(lengths), limits=limits)
-    # g2 and g3 took g0's and g1's slots at step 2; after step 4 the engine asked for more, nothing was left
-    # to feed, and one sample still generated: it was stopped at the next poll, not at its thirtieth token
-    assert engine.steps == 5 and harvest.stopped_at is not None and harvest.batch_ready_at is None
+    # g2 and g3 took g0's and g1's slots at step 2; nothing was left to feed, and once g2 was complete
+    # (step 6) one sample still generated: it was stopped at the next poll, not at its thirtieth token
+    assert engine.steps == 6 and harvest.stopped_at is not None and harvest.batch_ready_at is None
     assert [g.request.group_id for g in harvest.ready] == ["g0", "g1", "g2"]
     (carried,) = harvest.carry
     assert [s.state for s in carried.slots] == [VERIFIED, PARTIAL]
-    assert len(carried.slots[1].carried_partial.token_ids) == 3
+    assert len(carried.slots[1].carried_partial.token_ids) == 4
     # without the setting (or without partial rollouts) the straggler runs to its end
     engine = ScriptedEngine(lengths, max_batch=4)
     _, waited = collect(engine, ScriptedEnvironment(), lengths, target=5, fresh_ids=list(lengths))
@@ -200,14 +200,28 @@ def test_a_round_short_of_its_target_at_the_cap_stops_at_its_tail():
 
 
 def test_a_round_whose_whole_feed_fits_the_engine_finishes_as_much_as_it_carries():
-    lengths = {"g0": [2, 30], "g1": [3, 30]}
+    lengths = {"g0": [2, 3], "g1": [4, 30], "g2": [5, 30], "g3": [6, 30]}
     limits = PoolLimits(verdict_wait_s=0.05, stop_at_cap_below=8)
     engine = ScriptedEngine(lengths, max_batch=16)
     _, harvest = collect(engine, ScriptedEnvironment(), lengths, target=5, fresh_ids=list(lengths), limits=limits)
-    # every sample was in flight from the start, under the tail size: the round still ran until as many
-    # samples had finished as were left generating
-    assert engine.steps == 3
-    assert accounted(harvest) == {("g0", 0): VERIFIED, ("g0", 1): PARTIAL, ("g1", 0): VERIFIED, ("g1", 1): PARTIAL}
+    # every sample was in flight from the start, under the tail size, and g0 was trainable at step 3: the
+    # round still ran until as many samples had finished as were left generating (step 5)
+    assert engine.steps == 5
+    assert [g.request.group_id for g in harvest.ready] == ["g0"]
+    assert accounted(harvest) == {
+        ("g0", 0): "ready", ("g0", 1): "ready", ("g1", 0): VERIFIED, ("g1", 1): PARTIAL,
+        ("g2", 0): VERIFIED, ("g2", 1): PARTIAL, ("g3", 0): PARTIAL, ("g3", 1): PARTIAL,
+    }
+
+
+def test_a_round_with_nothing_trainable_at_the_cap_runs_its_tail_out():
+    # nothing can stop short of a trainable group: stopped, the round would have nothing to train on
+    lengths = {"g0": [2, 2], "g1": [2, 2], "g2": [2, 2], "g3": [2, 30]}
+    limits = PoolLimits(verdict_wait_s=0.05, stop_at_cap_below=2)
+    engine = ScriptedEngine(lengths, max_batch=4)
+    _, harvest = collect(engine, ScriptedEnvironment(), lengths, target=5, fresh_ids=list(lengths), limits=limits)
+    assert engine.steps == 2 + 30 and harvest.stopped_at is None and harvest.carry == []
+    assert harvest.trainable == 0 and [g.request.group_id for g in harvest.ready] == ["g0", "g1", "g2", "g3"]
 
 
 def test_a_group_is_ready_only_when_all_its_samples_are_verified_and_stragglers_are_stopped():

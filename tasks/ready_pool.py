@@ -193,6 +193,7 @@ class ReadyPool:
         for group in self._carried:
             request = group.resume_request()
             if request is not None:
+                self._generating += len(request.resume)
                 yield request
         count = 0
         for group in fresh:

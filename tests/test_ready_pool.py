@@ -138,6 +138,7 @@ def collect(engine, env, lengths, target, fresh_ids, carried=(), limits=QUICK, m
         pool.feed(fresh, len(fresh_ids) if max_fresh is None else max_fresh), pool.should_stop
     ):
         pool.on_sample(sample)
+    assert pool._generating == 0  # the engine answered for every sample it was handed, carried ones too
     return pool, pool.finish()
 
 

@@ -64,6 +64,10 @@ def prompt_stream(seed: int) -> Iterator[Prompt]:
         yield make_prompt(*pairs[rng.randrange(len(pairs))])
 
 
+base_prompt_stream = prompt_stream
+"""The base recipe's supervised examples, endless: ``base_prompts(seed, n)`` is its first ``n``."""
+
+
 def longest_prompt() -> Prompt:
     """The prompt with the most tokens any stream can draw (for context checks)."""
     return make_prompt(MAX_OPERAND, MAX_OPERAND)

@@ -8,6 +8,7 @@ builds one by hand (BASE: 'builtin', the default, or 'builtin-longtail').
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -70,14 +71,15 @@ def _build(out_dir: str, recipe: BaseRecipe, progress, start: float, task: Built
     tokenizer = build_char_tokenizer(task.characters)
     model = build_model(recipe, len(tokenizer), tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.learning_rate)
-    prompts = task.data.base_prompts(seed=recipe.seed, count=recipe.max_steps * recipe.batch_size)
+    # Drawn as the steps take them: a recipe that stops early (most do) never draws the rest.
+    prompts = task.data.base_prompt_stream(seed=recipe.seed)
     # Stopping is judged on training prompts (another seed), so the held-out set stays untouched.
     validation = task.data.training_prompts(seed=recipe.seed + 1, count=500)
     engine = EmbeddedEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id)
     steps, val_accuracy = 0, 0.0
     for step in range(recipe.max_steps):
         model.train()
-        chunk = prompts[step * recipe.batch_size : (step + 1) * recipe.batch_size]
+        chunk = list(itertools.islice(prompts, recipe.batch_size))
         batches = [_answer_batch(tokenizer, part) for part in _by_length(chunk, recipe.length_buckets)]
         answer_tokens = sum(b.completion_mask.sum() for b in batches)
         optimizer.zero_grad(set_to_none=True)

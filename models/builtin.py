@@ -26,7 +26,8 @@ class BuiltinTask:
     """Task name on every row; also the verifier's name."""
     data: ModuleType
     """Prompt data: ``prompt_stream(seed)``, ``training_prompts(seed, count)``, ``held_out_prompts()``,
-    ``longest_prompt()``, and ``base_prompts(seed, count)``, the base recipe's supervised examples."""
+    ``longest_prompt()``, and ``base_prompt_stream(seed)``, the base recipe's supervised examples
+    (``base_prompts(seed, count)``: its first ``count``)."""
     characters: str
     """The character tokenizer's alphabet (after pad/bos/eos/unk)."""
     answer_tokens: int
@@ -55,8 +56,8 @@ BUILTINS: dict[str, BuiltinTask] = {
     ),
     # Longer sequences than addition: the counted-down answers reach 84 tokens and rollout lets wrong
     # ones run on, so the model gets 128 positions. Smaller, faster steps than addition's recipe keep the
-    # build near a minute and a half on a busy 2-core machine; one thread, because two threads spin
-    # against each other when the cores are shared.
+    # build to two or three minutes on a 2-core machine (the steps are matrix products: 57% of a step in
+    # aten::mm); one thread, because two threads spin against each other when the cores are shared.
     "builtin-longtail": BuiltinTask(
         "builtin-longtail",
         "builtin:longtail",
@@ -71,6 +72,7 @@ BUILTINS: dict[str, BuiltinTask] = {
             max_position_embeddings=128,
             length_buckets=4,
             teacher_forced_checks=True,
+            check_every=50,  # a check of 500 prompts costs about 4 steps; stops at step 500 as checks every 25 did
             stop_at_accuracy=0.45,  # stopped at 35%, a base on these spans solved half of span 1 (45%: 67%)
         ),
         "2",

@@ -99,7 +99,12 @@ def training_prompts(seed: int, count: int) -> list[Prompt]:
     return [next(stream) for _ in range(count)]
 
 
+def base_prompt_stream(seed: int) -> Iterator[Prompt]:
+    """The base recipe's supervised examples, endless: spans drawn by ``BASE_SPAN_EXPONENT``, never held out."""
+    return prompt_stream(seed, [s**-BASE_SPAN_EXPONENT for s in _SPANS])
+
+
 def base_prompts(seed: int, count: int) -> list[Prompt]:
-    """The base recipe's supervised examples: spans drawn by ``BASE_SPAN_EXPONENT``, never held out."""
-    stream = prompt_stream(seed, [s**-BASE_SPAN_EXPONENT for s in _SPANS])
+    """The first ``count`` of ``base_prompt_stream(seed)``."""
+    stream = base_prompt_stream(seed)
     return [next(stream) for _ in range(count)]

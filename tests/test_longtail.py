@@ -1,10 +1,11 @@
 """The long-tail task, its verifier, and the simulated remote environment (a simulation: no remote calls)."""
 
+import itertools
 import statistics
 
 import pytest
 
-from models import longtail
+from models import addition, longtail
 from tasks.verifiers.config import VerifyConfig
 from tasks.verifiers.outcome import Outcome, Verdict, VerifierInfraError
 from tasks.verifiers.pool import VerifierPool, run_verifier
@@ -59,6 +60,15 @@ def test_base_examples_count_down_further_than_the_task_and_are_never_held_out()
     assert counted(base) > counted(longtail.training_prompts(seed=0, count=5_000)) + 0.2
     assert not {p.prompt_id for p in base} & {p.prompt_id for p in longtail.held_out_prompts()}
     assert base[:50] == longtail.base_prompts(seed=0, count=50) != longtail.base_prompts(seed=1, count=50)
+
+
+@pytest.mark.parametrize("data", [longtail, addition], ids=["longtail", "addition"])
+def test_the_base_recipe_draws_its_examples_from_one_stream_in_order(data):
+    """The recipe takes each step's examples from ``base_prompt_stream`` as it goes; the list a recipe drew
+    up front (``base_prompts``) is the same examples in the same order, so the built base is the same."""
+    stream = data.base_prompt_stream(seed=0)
+    assert [next(stream) for _ in range(300)] == data.base_prompts(seed=0, count=300)
+    assert list(itertools.islice(data.base_prompt_stream(seed=1), 20)) != data.base_prompts(seed=0, count=20)
 
 
 def test_stream_is_seeded():

@@ -52,10 +52,6 @@ def training_prompts(seed: int, count: int) -> list[Prompt]:
     return [make_prompt(*pairs[rng.randrange(len(pairs))]) for _ in range(count)]
 
 
-base_prompts = training_prompts
-"""The base recipe's supervised examples: the task's own distribution."""
-
-
 def prompt_stream(seed: int) -> Iterator[Prompt]:
     """Endless uniform draws (with replacement) from the training pairs."""
     pairs = training_pairs()
@@ -65,7 +61,7 @@ def prompt_stream(seed: int) -> Iterator[Prompt]:
 
 
 base_prompt_stream = prompt_stream
-"""The base recipe's supervised examples, endless: ``base_prompts(seed, n)`` is its first ``n``."""
+"""The base recipe's supervised examples: the task's own distribution, the draws of ``training_prompts``."""
 
 
 def longest_prompt() -> Prompt:

@@ -26,8 +26,8 @@ class BuiltinTask:
     """Task name on every row; also the verifier's name."""
     data: ModuleType
     """Prompt data: ``prompt_stream(seed)``, ``training_prompts(seed, count)``, ``held_out_prompts()``,
-    ``longest_prompt()``, and ``base_prompt_stream(seed)``, the base recipe's supervised examples
-    (``base_prompts(seed, count)``: its first ``count``)."""
+    ``longest_prompt()``, and ``base_prompt_stream(seed)``, the base recipe's supervised examples (endless:
+    the recipe takes each step's as it goes)."""
     characters: str
     """The character tokenizer's alphabet (after pad/bos/eos/unk)."""
     answer_tokens: int

@@ -11,7 +11,7 @@ Built so that completion lengths have a real tail, as reasoning traces do in RL 
 
 Pure data, like ``models.addition``: seeded prompt streams and a fixed held-out set of 500 prompts
 drawn from the same distribution, disjoint from every training prompt. The base recipe's supervised
-examples (``base_prompts``) draw spans from a flatter distribution than the task's (below).
+examples (``base_prompt_stream``) draw spans from a flatter distribution than the task's (below).
 """
 
 from __future__ import annotations
@@ -102,9 +102,3 @@ def training_prompts(seed: int, count: int) -> list[Prompt]:
 def base_prompt_stream(seed: int) -> Iterator[Prompt]:
     """The base recipe's supervised examples, endless: spans drawn by ``BASE_SPAN_EXPONENT``, never held out."""
     return prompt_stream(seed, [s**-BASE_SPAN_EXPONENT for s in _SPANS])
-
-
-def base_prompts(seed: int, count: int) -> list[Prompt]:
-    """The first ``count`` of ``base_prompt_stream(seed)``."""
-    stream = base_prompt_stream(seed)
-    return [next(stream) for _ in range(count)]

@@ -57,9 +57,9 @@ BUILTINS: dict[str, BuiltinTask] = {
     # Longer sequences than addition: the counted-down answers reach 84 tokens and rollout lets wrong
     # ones run on, so the model gets 128 positions. Smaller, faster steps than addition's recipe keep the
     # build under two minutes on a 2-core machine (the steps are matrix products: 57% of a step in
-    # aten::mm). Two threads, as addition's recipe: they build the same weights as one thread did
-    # (sha256 50b0bc38080a) in 91-106 s against 124-136 s (five builds on a 2-core machine), and there
-    # the build leaves the thread count of the campaign after it in the same process alone (set_threads).
+    # aten::mm). Two threads, as addition's recipe: at these sizes they build bit for bit the weights one
+    # thread builds (sha256 50b0bc38080a), 1.34x faster (README, Presets), and on a 2-core machine the
+    # build leaves the thread count of a campaign after it in the same process alone (set_threads).
     "builtin-longtail": BuiltinTask(
         "builtin-longtail",
         "builtin:longtail",

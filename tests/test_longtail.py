@@ -63,9 +63,9 @@ def test_base_examples_count_down_further_than_the_task_and_are_never_held_out()
     assert base[:50] == _first(stream(seed=0), 50) != _first(stream(seed=1), 50)
 
 
-def test_the_addition_recipe_draws_the_examples_it_drew_as_a_list():
+def test_the_addition_base_trains_on_the_training_prompts_draws_in_order():
     """The recipe takes each step's examples from ``base_prompt_stream`` as it goes; for addition they are
-    the draws of ``training_prompts``, which the recipe took up front before, so its base is the same."""
+    the draws of ``training_prompts``, in order, seeded by the recipe's seed."""
     assert _first(addition.base_prompt_stream(seed=0), 300) == addition.training_prompts(seed=0, count=300)
     assert _first(addition.base_prompt_stream(seed=1), 20) != addition.training_prompts(seed=0, count=20)
 

@@ -3,6 +3,7 @@ and the ready pool with partial rollouts; then the preset's campaign with the ba
 rollouts, and with partial rollouts overlapped with training (round.mode overlap), same seed.
 
     python benchmarks/batch_collection.py [--storage DIR] [--quick] [--campaign-modes LIST] [--json PATH]
+    python benchmarks/batch_collection.py --no-campaign --env-median-s S   (another environment latency)
 
 Collection. One workload: the preset's base policy, prompt stream, sampling (long-tailed lengths) and
 SIMULATED environment latency (tasks/verifiers/simulated_env.py), ``--rounds`` consecutive rounds of
@@ -250,6 +251,11 @@ def main() -> None:
         default=",".join(CAMPAIGN_MODES),
         help=f"comma-separated campaign modes to run (default: all of {','.join(CAMPAIGN_MODES)})",
     )
+    parser.add_argument(
+        "--env-median-s",
+        type=float,
+        help="collection only: the simulated environment's median latency in seconds (default: the preset's)",
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
@@ -271,6 +277,12 @@ def main() -> None:
     from tasks.engines import build_engine, load_tokenizer
 
     rc = load_campaign_config(None, args.preset).round
+    if args.env_median_s is not None:  # how the modes compare as the environment answers faster or slower
+        env = rc.verify.simulated_environment
+        if env is None or args.env_median_s <= 0:
+            parser.error("--env-median-s: needs a positive figure and a preset with a simulated environment")
+        env = env.model_copy(update={"median_latency_s": args.env_median_s})
+        rc = rc.model_copy(update={"verify": rc.verify.model_copy(update={"simulated_environment": env})})
     rounds = args.rounds or (2 if args.quick else 4)
     base = run_prepare_base(
         storage=args.storage, base_model=rc.policy.base_model, progress=lambda m: print(f"  {m}", flush=True)

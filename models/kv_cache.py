@@ -116,14 +116,39 @@ class SlotCache:
 
     def admit(self, inputs: list[tuple[int, ...]], owner: list[int], width: int) -> torch.Tensor:
         """Prefill ``inputs`` (distinct token sequences) into new slots A..A+n-1, slot A+i continuing
-        ``inputs[owner[i]]``; room is reserved for ``width`` positions. Logits [n, V] for each row's next token."""
+        ``inputs[owner[i]]``; room is reserved for ``width`` positions. Logits [n, V] for each row's next token.
+
+        Inputs prefill in chunks of similar length (``PREFILL_PADDING_BUDGET``): resumed samples carry
+        prefixes of every length, and one long prefix would pad every joining row up to it."""
         import torch
-        import torch.nn.functional as F
+
+        from models.policy import length_chunks
 
         n = len(owner)
         if self.live + n > self.slots:
             raise ValueError(f"{self.live} live rows + {n} joining exceed {self.slots} slots")
         self._reserve(width)
+        lengths = torch.tensor([len(x) for x in inputs])
+        rows = torch.tensor(owner, dtype=torch.long)  # [n] the distinct input each joining row continues
+        logits = None
+        for chunk in length_chunks(lengths, PREFILL_PADDING_BUDGET):
+            local = torch.full((len(inputs),), -1, dtype=torch.long)
+            local[chunk] = torch.arange(len(chunk))
+            joining = torch.nonzero(local[rows] >= 0).squeeze(1)  # the joining rows this chunk feeds
+            part = self._prefill([inputs[i] for i in chunk.tolist()], local[rows[joining]], self.live + joining)
+            if logits is None:
+                logits = part.new_empty((len(inputs), part.shape[-1]))
+            logits[chunk] = part
+        self.lengths[self.live : self.live + n] = lengths[rows]
+        self.live += n
+        return logits[rows]
+
+    def _prefill(self, inputs: list[tuple[int, ...]], rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Run ``inputs`` right-padded to the longest; slot ``slots[i]`` takes the keys and values of input
+        ``rows[i]``. Logits [len(inputs), V] for each input's next token."""
+        import torch
+        import torch.nn.functional as F
+
         lengths = torch.tensor([len(x) for x in inputs])
         span = int(lengths.max())
         ids = torch.full((len(inputs), span), self.pad_token_id, dtype=torch.long)
@@ -132,8 +157,6 @@ class SlotCache:
         # query i sees keys j <= i of its own input; right padding sits after every real key
         keys_seen = torch.arange(span)
         mask = (keys_seen <= keys_seen.unsqueeze(-1)) & (keys_seen < lengths.view(-1, 1, 1))  # [D, span, span]
-        rows = torch.tensor(owner, dtype=torch.long)
-        slots = slice(self.live, self.live + n)
         hidden = self.model.model.embed_tokens(ids)  # [D, span, hidden]
         cos, sin = self.cos[:span].unsqueeze(1), self.sin[:span].unsqueeze(1)  # [span, 1, head_dim]
         for layer, keys, values in zip(self.model.model.layers, self.keys, self.values):
@@ -150,9 +173,7 @@ class SlotCache:
             ).transpose(1, 2)  # [D, span, heads, head_dim]
             hidden = self._finish_layer(layer, hidden, out)
         last = hidden[torch.arange(len(inputs)), lengths - 1]  # [D, hidden]
-        self.lengths[slots] = lengths[rows]
-        self.live += n
-        return self._logits(last)[rows]
+        return self._logits(last)
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed ``tokens`` [A] (one per live row, in slot order); logits [A, V] for the token after."""
@@ -246,6 +267,11 @@ class SlotCache:
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(self.model.model.norm(hidden)).float()
 
+
+PREFILL_PADDING_BUDGET = 128
+"""Padding positions a prefill chunk may carry before its longest inputs go to a chunk of their own
+(``length_chunks``). A chunk costs one more forward call, about what a hundred or two prefill positions cost
+on the built-in policy."""
 
 SPLIT_MIN_ROWS = 32
 """Batches smaller than this attend in one pass: the second pass's set-up costs more than it saves."""

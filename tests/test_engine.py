@@ -417,3 +417,33 @@ def test_rows_attending_in_two_passes_get_the_logits_of_one(tiny_policy_dir, mon
             monkeypatch.setattr(kv_cache, "SPLIT_MIN_ROWS", 32)
             assert torch.allclose(got_split, got_one, atol=1e-6), step
             assert torch.allclose(got_split, got_padded, atol=1e-5), step
+
+
+def test_inputs_of_many_lengths_prefill_in_chunks_with_the_logits_of_one_padded_prefill(tiny_policy_dir, monkeypatch):
+    """Resumed samples join with prefixes of every length: the slot cache prefills them in chunks of
+    similar length, each row's keys and values land in its own slot (the decode steps after agree), and
+    the logits are those of one prefill padded to the longest, and transformers' cache's."""
+    from models import kv_cache
+    from models.kv_cache import PaddedCache, SlotCache, distinct_inputs
+    from models.policy import length_chunks
+
+    model, tok = load_policy(tiny_policy_dir)
+    prompt = tuple(tok(PROMPTS[0])["input_ids"])
+    digits = tuple(tok("1234567890")["input_ids"][1:])
+    # long and short prefixes interleaved, a few shared: rows and chunks are in different orders
+    inputs = [prompt + (digits * 8)[: (17 * row) % 70] for row in range(30)] + [prompt] * 3
+    distinct, owner = distinct_inputs(inputs)
+    monkeypatch.setattr(kv_cache, "PREFILL_PADDING_BUDGET", 32)
+    assert len(length_chunks(torch.tensor([len(x) for x in distinct]), 32)) > 3
+    chunked = SlotCache(model, 40, tok.pad_token_id)
+    one, padded = SlotCache(model, 40, tok.pad_token_id), PaddedCache(model, tok.pad_token_id)
+    with torch.inference_mode():
+        got_chunked = chunked.admit(distinct, owner, 100)
+        monkeypatch.setattr(kv_cache, "PREFILL_PADDING_BUDGET", 10**9)
+        got_one, got_padded = one.admit(distinct, owner, 100), padded.admit(distinct, owner, 100)
+        assert torch.allclose(got_chunked, got_one, atol=1e-5) and torch.allclose(got_chunked, got_padded, atol=1e-5)
+        assert chunked.lengths[: len(owner)].tolist() == [len(x) for x in inputs]
+        for step in range(3):
+            tokens = torch.tensor([3 + (row + step) % 10 for row in range(len(owner))])
+            got = [cache.step(tokens) for cache in (chunked, one, padded)]
+            assert torch.allclose(got[0], got[1], atol=1e-5) and torch.allclose(got[0], got[2], atol=1e-5), step

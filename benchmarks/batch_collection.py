@@ -278,10 +278,17 @@ def main() -> None:
 
     rc = load_campaign_config(None, args.preset).round
     if args.env_median_s is not None:  # how the modes compare as the environment answers faster or slower
+        from pydantic import ValidationError
+
+        from flows.config import describe_validation_error
+
         env = rc.verify.simulated_environment
-        if env is None or args.env_median_s <= 0:
-            parser.error("--env-median-s: needs a positive figure and a preset with a simulated environment")
-        env = env.model_copy(update={"median_latency_s": args.env_median_s})
+        if env is None:
+            parser.error(f"--env-median-s: preset {args.preset} has no simulated environment")
+        try:  # checked by the simulated environment's own bounds
+            env = type(env).model_validate({**env.model_dump(), "median_latency_s": args.env_median_s})
+        except ValidationError as exc:
+            parser.error(describe_validation_error(exc, None, type(env)))
         rc = rc.model_copy(update={"verify": rc.verify.model_copy(update={"simulated_environment": env})})
     rounds = args.rounds or (2 if args.quick else 4)
     base = run_prepare_base(

@@ -135,7 +135,8 @@ class SlotCache:
             local = torch.full((len(inputs),), -1, dtype=torch.long)
             local[chunk] = torch.arange(len(chunk))
             joining = torch.nonzero(local[rows] >= 0).squeeze(1)  # the joining rows this chunk feeds
-            part = self._prefill([inputs[i] for i in chunk.tolist()], local[rows[joining]], self.live + joining)
+            chunk_inputs = [inputs[i] for i in chunk.tolist()]
+            part = self._prefill(chunk_inputs, lengths[chunk], local[rows[joining]], self.live + joining)
             if logits is None:
                 logits = part.new_empty((len(inputs), part.shape[-1]))
             logits[chunk] = part
@@ -143,13 +144,14 @@ class SlotCache:
         self.live += n
         return logits[rows]
 
-    def _prefill(self, inputs: list[tuple[int, ...]], rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """Run ``inputs`` right-padded to the longest; slot ``slots[i]`` takes the keys and values of input
-        ``rows[i]``. Logits [len(inputs), V] for each input's next token."""
+    def _prefill(
+        self, inputs: list[tuple[int, ...]], lengths: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor
+    ) -> torch.Tensor:
+        """Run ``inputs`` (of ``lengths``) right-padded to the longest; slot ``slots[i]`` takes the keys and
+        values of input ``rows[i]``. Logits [len(inputs), V] for each input's next token."""
         import torch
         import torch.nn.functional as F
 
-        lengths = torch.tensor([len(x) for x in inputs])
         span = int(lengths.max())
         ids = torch.full((len(inputs), span), self.pad_token_id, dtype=torch.long)
         for row, x in enumerate(inputs):

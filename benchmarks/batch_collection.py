@@ -23,6 +23,10 @@ Per round, means over the rounds:
 - idle_s: decode-slot idle seconds, the integral over the collection of (1 - sequences generating /
   rollout.max_batch): the accelerator time a round leaves unused where a decode step costs about the
   same whatever its batch (a GPU); it counts the engine's waits on the environment in full;
+- decode_steps: the engine's decode steps (models/engine.py, ``decode_steps``). A CPU step costs about what
+  its rows do, so time here goes with the tokens generated; on an accelerator below its batch limit a step
+  costs about the same whatever its batch, and time goes with the steps. The run prints both ratios beside
+  the measured one;
 - wasted_tokens: tokens generated in the round and then thrown away (groups that teach nothing, and
   complete groups beyond the target); carried-over prefixes are not waste, the next round resumes them;
 - length bias: mean completion length of the kept samples over that of all generated (1: none).
@@ -83,6 +87,7 @@ def collection_round(engine, tokenizer, rc, mode: str, seed: int, round_index: i
     from tasks.filter import apply_decisions, decide, length_bias
     from tasks.rollout import generate_and_verify
 
+    steps_before = getattr(engine, "decode_steps", 0)  # replicas behind Ray do not count them: 0
     start = time.time()
     result = generate_and_verify(
         engine,
@@ -117,6 +122,7 @@ def collection_round(engine, tokenizer, rc, mode: str, seed: int, round_index: i
         "time_to_trainable_batch_s": end - start,
         "batch_ready_s": result.stats["rollout/batch_ready_at"] - start,
         "idle_s": slot_idle_seconds(rows + result.carry_rows, start, end, rc.rollout.max_batch),
+        "decode_steps": getattr(engine, "decode_steps", 0) - steps_before,
         "wasted_tokens": wasted,
         "generated_tokens": sum(generated),
         "kept_groups": len(kept_groups),
@@ -142,7 +148,8 @@ def collection(engine, tokenizer, rc, rounds: int, seed: int) -> dict[str, dict]
             per_round.append(r)
             print(
                 f"  {mode:16s} round {k}: trainable batch in {r['time_to_trainable_batch_s']:6.2f} s "
-                f"(ready at {r['batch_ready_s']:6.2f} s), slot idle {r['idle_s']:6.2f} s, "
+                f"(ready at {r['batch_ready_s']:6.2f} s), {r['decode_steps']:4d} decode steps, "
+                f"slot idle {r['idle_s']:6.2f} s, "
                 f"wasted {r['wasted_tokens']:7d} of {r['generated_tokens']:7d} tokens, "
                 f"{r['carried_out_samples']} samples carried, length bias {r['length_bias']:.2f}",
                 flush=True,
@@ -305,12 +312,15 @@ def main() -> None:
     figures: dict = {"collection": collection(engine, tokenizer, rc, rounds, args.seed)}
     col = figures["collection"]
     print("\ncollection, means per round:")
-    print(f"  {'mode':16s} {'to trainable batch':>19s} {'slot idle':>10s} {'wasted tokens':>14s} {'length bias':>12s}")
+    print(
+        f"  {'mode':16s} {'to trainable batch':>19s} {'decode steps':>13s} {'slot idle':>10s} "
+        f"{'generated tokens':>17s} {'wasted tokens':>14s} {'length bias':>12s}"
+    )
     for mode in MODES:
         f = col[mode]
         print(
-            f"  {mode:16s} {f['time_to_trainable_batch_s']:17.2f} s {f['idle_s']:8.2f} s "
-            f"{f['wasted_tokens']:14.0f} {f['length_bias']:12.2f}"
+            f"  {mode:16s} {f['time_to_trainable_batch_s']:17.2f} s {f['decode_steps']:13.0f} {f['idle_s']:8.2f} s "
+            f"{f['generated_tokens']:17.0f} {f['wasted_tokens']:14.0f} {f['length_bias']:12.2f}"
         )
     barrier = col["sync_barrier"]["time_to_trainable_batch_s"]
     figures["ratios"] = {
@@ -321,6 +331,21 @@ def main() -> None:
         f"  time to a trainable batch, sync_barrier / ready_pool: "
         f"{figures['ratios']['sync_barrier_over_ready_pool']:.2f}x; sync_barrier / partial_rollouts: "
         f"{figures['ratios']['sync_barrier_over_partial_rollouts']:.2f}x (goal >= 2x)"
+    )
+    # what the time ratio would be where a step costs the same whatever its batch, and where it costs its rows
+    figures["ratios"]["sync_barrier_over_partial_rollouts_decode_steps"] = ratio(
+        col["sync_barrier"]["decode_steps"], col["partial_rollouts"]["decode_steps"]
+    )
+    figures["ratios"]["sync_barrier_over_partial_rollouts_generated_tokens"] = ratio(
+        col["sync_barrier"]["generated_tokens"], col["partial_rollouts"]["generated_tokens"]
+    )
+    steps, tokens = (
+        figures["ratios"][f"sync_barrier_over_partial_rollouts_{what}"] for what in ("decode_steps", "generated_tokens")
+    )
+    print(
+        f"  sync_barrier / partial_rollouts, decode steps: {'n/a' if steps is None else f'{steps:.2f}x'} (time goes "
+        f"with this where a step costs the same whatever its batch); generated tokens: {tokens:.2f}x (time goes with "
+        "this where a step costs what its rows do, as on a CPU)"
     )
 
     if not args.no_campaign:

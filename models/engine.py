@@ -247,6 +247,10 @@ class EmbeddedEngine:
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         self.info = EngineInfo(name="embedded", version=f"torch-{torch.__version__}", dtype=dtype)
         self._kv_setting = kv_cache
+        self.decode_steps = 0
+        """Decode steps run since the engine was made (prefills not counted). Where a step costs about the
+        same whatever its batch (an accelerator below its batch limit), rollout time goes with this count,
+        not with the tokens generated (benchmarks/batch_collection.py)."""
         self.kv_cache  # noqa: B018 -- fails now, not at the first generate, if 'slots' cannot serve the model
 
     @property
@@ -326,6 +330,7 @@ class EmbeddedEngine:
                     logits = recomputed
                 elif seqs:
                     logits = cache.step(last)  # feed the tokens sampled last step; fresh logits for all rows
+                    self.decode_steps += 1
                 if len(seqs) <= self.max_batch // 2:  # refill once half the rows are free: one prefill a wave
                     admitted = pull(self.max_batch - len(seqs))
                     if admitted:

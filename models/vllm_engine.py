@@ -123,6 +123,7 @@ class VLLMEngine:
         served = str(self.llm.model_config.dtype).removeprefix("torch.")
         self.info = EngineInfo(name="vllm", version=f"vllm-{vllm.__version__}", dtype=served)
         self._ids = itertools.count()
+        self.decode_steps = 0  # engine steps run (each decodes every running request and prefills any joining)
 
     # -- the engine interface ------------------------------------------------------------------
 
@@ -162,6 +163,7 @@ class VLLMEngine:
                     self._admit(engine, group, in_flight)
                 if not in_flight:
                     return
+                self.decode_steps += 1
                 for out in engine.step():
                     flight = in_flight.get(out.request_id)
                     if flight is None:

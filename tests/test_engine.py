@@ -91,6 +91,19 @@ def test_ignore_eos_generates_exactly_max_tokens(policy, kv):
     assert all(len(s.token_ids) == 5 and tok.eos_token_id not in s.token_ids for s in samples)
 
 
+def test_the_engine_counts_its_decode_steps_not_its_prefills(policy, kv):
+    model, tok = policy
+    params = SamplingParams(temperature=1.0, max_tokens=5, seed=3, ignore_eos=True)
+    engine = EmbeddedEngine(model, tok.eos_token_id, tok.pad_token_id, max_batch=16, kv_cache=kv)
+    list(engine.generate(_requests(tok, 2, params)))  # 10 rows at once: a prefill's token, then 4 steps
+    assert engine.decode_steps == 4
+    list(engine.generate(_requests(tok, 2, params)))
+    assert engine.decode_steps == 8  # cumulative: benchmarks read the difference
+    waves = EmbeddedEngine(model, tok.eos_token_id, tok.pad_token_id, max_batch=4, kv_cache=kv)
+    list(waves.generate(_requests(tok, 2, params)))  # 4 + 4 + 2 rows: three waves of 4 steps
+    assert waves.decode_steps == 12
+
+
 def test_top_p_keeps_only_the_nucleus(policy, kv):
     model, tok = policy
     engine = EmbeddedEngine(model, tok.eos_token_id, tok.pad_token_id, kv_cache=kv)

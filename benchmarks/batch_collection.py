@@ -332,16 +332,10 @@ def main() -> None:
         f"{figures['ratios']['sync_barrier_over_ready_pool']:.2f}x; sync_barrier / partial_rollouts: "
         f"{figures['ratios']['sync_barrier_over_partial_rollouts']:.2f}x (goal >= 2x)"
     )
-    # what the time ratio would be where a step costs the same whatever its batch, and where it costs its rows
-    figures["ratios"]["sync_barrier_over_partial_rollouts_decode_steps"] = ratio(
-        col["sync_barrier"]["decode_steps"], col["partial_rollouts"]["decode_steps"]
-    )
-    figures["ratios"]["sync_barrier_over_partial_rollouts_generated_tokens"] = ratio(
-        col["sync_barrier"]["generated_tokens"], col["partial_rollouts"]["generated_tokens"]
-    )
-    steps, tokens = (
-        figures["ratios"][f"sync_barrier_over_partial_rollouts_{what}"] for what in ("decode_steps", "generated_tokens")
-    )
+    steps = ratio(col["sync_barrier"]["decode_steps"], col["partial_rollouts"]["decode_steps"])
+    tokens = ratio(col["sync_barrier"]["generated_tokens"], col["partial_rollouts"]["generated_tokens"])
+    figures["ratios"]["sync_barrier_over_partial_rollouts_decode_steps"] = steps
+    figures["ratios"]["sync_barrier_over_partial_rollouts_generated_tokens"] = tokens
     print(
         f"  sync_barrier / partial_rollouts, decode steps: {'n/a' if steps is None else f'{steps:.2f}x'} (time goes "
         f"with this where a step costs the same whatever its batch); generated tokens: {tokens:.2f}x (time goes with "

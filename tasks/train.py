@@ -1,9 +1,10 @@
 """Training: GRPO-style policy-gradient steps over the kept samples of one trajectory version.
 
 The round's trainable groups are split into ``steps_per_round`` minibatches of ``groups_per_step``
-groups, in stored order, one optimizer step each. Later minibatches are a few steps stale relative to
-the weights that sampled them; the PPO ratio and its clip account for that, and the staleness is
-logged. Optimizer state travels with the checkpoint so the next round (or a replay) continues exactly.
+groups, in a seeded shuffle of their ids (``minibatch_order``), one optimizer step each. Later
+minibatches are a few steps stale relative to the weights that sampled them; the PPO ratio and its
+clip account for that, and the staleness is logged. Optimizer state travels with the checkpoint so the
+next round (or a replay) continues exactly.
 """
 
 from __future__ import annotations
@@ -58,6 +59,12 @@ class TrainConfig(Config):
     """PPO clip above 1 (ratio <= 1 + clip_high); raise it for DAPO-style clip-higher."""
     tis_cap: float = Field(2.0, ge=1.0)
     """Truncation cap of the engine/trainer importance weight."""
+    minibatch_order: Literal["shuffled", "stored"] = "shuffled"
+    """Which groups share a minibatch. 'shuffled': a seeded hash of each group id orders them (the same
+    order on every run of the same rows, so a replay makes the same updates). 'stored': the trajectory's
+    stored order, which is the order the groups finished in, so the first minibatches hold the shortest
+    groups and, with partial rollouts, the resumed long ones: that minibatch's drift then stops the
+    round's updates early (README, Rounds that do not wait for the long tail)."""
     recompute_proximal: Literal["auto", "always", "never"] = "auto"
     """Recompute the trainer's logprobs at the sampling weights before training ('proximal' policy),
     enabling the truncated importance-sampling correction. 'auto': unless the rows come from the
@@ -88,8 +95,9 @@ class TrainConfig(Config):
         return LossSettings(self.clip_low, self.clip_high, self.tis_cap, self.aggregation, self.kl_coef)
 
 
-BEFORE_FIELDS: dict = {"epochs": 1, "max_kl": None}
-"""How rounds trained before these ``TrainConfig`` fields existed: one pass, no drift limit."""
+BEFORE_FIELDS: dict = {"epochs": 1, "max_kl": None, "minibatch_order": "stored"}
+"""How rounds trained before these ``TrainConfig`` fields existed: one pass, no drift limit, minibatches
+in stored order."""
 
 
 @dataclass
@@ -103,8 +111,12 @@ class TrainBatch:
     max_tokens: int | None = None  # the sampling limit on completion tokens (dr_grpo's denominator)
 
 
-def minibatches(rows: list[dict], groups_per_step: int, steps: int) -> list[TrainBatch]:
-    """Kept rows (in stored order) -> up to ``steps`` minibatches of whole groups."""
+def minibatches(
+    rows: list[dict], groups_per_step: int, steps: int, shuffle_seed: int | None = None
+) -> list[TrainBatch]:
+    """Kept rows (in stored order) -> up to ``steps`` minibatches of whole groups: in stored order, or
+    with ``shuffle_seed`` in the order of a hash of (seed, group id), which depends on nothing but the
+    rows and the seed (``TrainConfig.minibatch_order``)."""
     order: list[str] = []
     by_group: dict[str, list[dict]] = {}
     for row in rows:
@@ -112,6 +124,8 @@ def minibatches(rows: list[dict], groups_per_step: int, steps: int) -> list[Trai
             order.append(row["group_id"])
             by_group[row["group_id"]] = []
         by_group[row["group_id"]].append(row)
+    if shuffle_seed is not None:
+        order.sort(key=lambda group_id: _group_key(shuffle_seed, group_id))
     out = []
     for step in range(steps):
         chosen = [r for g in order[step * groups_per_step : (step + 1) * groups_per_step] for r in by_group[g]]
@@ -129,6 +143,12 @@ def minibatches(rows: list[dict], groups_per_step: int, steps: int) -> list[Trai
             )
         )
     return out
+
+
+def _group_key(seed: int, group_id: str) -> bytes:
+    import hashlib
+
+    return hashlib.blake2b(f"{seed}/{group_id}".encode(), digest_size=8).digest()
 
 
 def train_policy(
@@ -200,11 +220,8 @@ def train_policy(
         versions = right_padded(batch.policy_versions, width, fill=-1)  # [B, C]
         current = (versions == current_version).float()  # [B, C]
         if step < len(batches):  # the first pass: later ones only repeat its minibatches further from them
-            mismatch.append(
-                logprob_mismatch(
-                    logp.detach() if proximal[index] is None else proximal[index], behaviour, mask * current
-                )
-            )
+            trainer_side = logp.detach() if proximal[index] is None else proximal[index]
+            mismatch.append(logprob_mismatch(trainer_side, behaviour, mask * current))
         on = mask.bool()
         freshness.append(torch.stack([(current_version - versions)[on], (logp.detach() - behaviour)[on]], dim=-1))
         inputs = LossInputs(
@@ -357,9 +374,10 @@ def proximal_plan(
 ) -> list[bool]:
     """Per minibatch, whether to recompute its proximal logprobs (``needs_proximal``'s rule, minibatch by
     minibatch). The engine and precision are the round's, so they decide for every minibatch; a nucleus
-    or an older policy's tokens decide only for the minibatches holding them. With partial rollouts
-    nearly every round carries a few older samples, and they finish first, so they sit in the first
-    minibatches: the rest are spared a forward pass that would only reproduce the behaviour logprobs."""
+    or an older policy's tokens decide only for the minibatches holding them, and the pass then scores
+    the whole minibatch: scoring only its rows that need it would be cheaper, but a forward pass over
+    another set of rows rounds differently with another thread count, and a replay in a process of
+    another thread count would then not reproduce the round's weights bit for bit."""
     if setting != "auto" or needs_proximal(setting, rollout_dtype, engines):
         return [needs_proximal(setting, rollout_dtype, engines)] * len(batches)
     return [
@@ -420,7 +438,8 @@ def run_train(
     if config.kl_coef > 0:
         reference = parent if config.kl_reference == "parent" else checkpoints.local_copy(root, base)
         ref_model = load_policy(reference, dtype="float32")[0]
-    batches = minibatches(rows, config.groups_per_step, config.steps_per_round)
+    shuffled = config.minibatch_order == "shuffled"
+    batches = minibatches(rows, config.groups_per_step, config.steps_per_round, config.seed if shuffled else None)
     recompute = proximal_plan(
         config.recompute_proximal, rollout_dtype, [r["engine"] for r in rows], batches, ctx.parent_policy_version
     )

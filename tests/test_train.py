@@ -409,15 +409,50 @@ def test_the_proximal_pass_runs_only_for_the_minibatches_that_need_it():
     assert proximal_plan("always", "float32", embedded, [fresh], 2) == [True]
 
 
+def test_shuffled_minibatches_depend_on_the_rows_and_the_seed_not_their_stored_order():
+    """Whole groups, every kept row once; the same minibatches whatever order the groups were stored in,
+    others for another seed; stored order keeps the groups as they finished."""
+    import random
+
+    from tasks.train import minibatches
+
+    rows = [
+        {
+            "group_id": f"g{g}",
+            "prompt_token_ids": [1, g],
+            "completion_token_ids": [2, s],
+            "rollout_logprobs": [0.0, 0.0],
+            "advantage": float(s),
+            "token_policy_versions": [0, 0],
+            "sampling": {"top_p": 1.0, "max_tokens": 4},
+        }
+        for g in range(12)
+        for s in range(2)
+    ]
+
+    def groups(batches):
+        return [[p[1] for p in b.prompt_ids] for b in batches]
+
+    stored = groups(minibatches(rows, 3, 4))
+    assert stored == [[0, 0, 1, 1, 2, 2], [3, 3, 4, 4, 5, 5], [6, 6, 7, 7, 8, 8], [9, 9, 10, 10, 11, 11]]
+    shuffled = groups(minibatches(rows, 3, 4, shuffle_seed=0))
+    assert shuffled != stored and sorted(g for b in shuffled for g in b) == sorted(g for b in stored for g in b)
+    by_group = [rows[i : i + 2] for i in range(0, len(rows), 2)]
+    random.Random(1).shuffle(by_group)
+    assert groups(minibatches([r for g in by_group for r in g], 3, 4, shuffle_seed=0)) == shuffled
+    assert groups(minibatches(rows, 3, 4, shuffle_seed=1)) != shuffled
+    assert groups(minibatches(rows, 3, 2, shuffle_seed=0)) == shuffled[:2]  # fewer steps: a prefix
+
+
 def test_a_recorded_config_without_later_fields_replays_as_its_round_trained():
     """A round recorded before ``epochs`` and ``max_kl`` existed made one pass with no drift limit; a replay
     of it must too, whatever today's defaults are. A config recorded now reads back unchanged."""
     from tasks.train import TrainConfig
 
     older = TrainConfig().model_dump(mode="json")
-    del older["epochs"], older["max_kl"]
+    del older["epochs"], older["max_kl"], older["minibatch_order"]
     replayed = TrainConfig.recorded(older)
-    assert replayed.epochs == 1 and replayed.max_kl is None
+    assert replayed.epochs == 1 and replayed.max_kl is None and replayed.minibatch_order == "stored"
     assert replayed.learning_rate == TrainConfig().learning_rate
     assert TrainConfig.recorded(TrainConfig().model_dump(mode="json")) == TrainConfig()
     assert TrainConfig.recorded(TrainConfig(max_kl=0.5).model_dump(mode="json")).max_kl == 0.5

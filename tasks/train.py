@@ -220,8 +220,11 @@ def train_policy(
         versions = right_padded(batch.policy_versions, width, fill=-1)  # [B, C]
         current = (versions == current_version).float()  # [B, C]
         if step < len(batches):  # the first pass: later ones only repeat its minibatches further from them
-            trainer_side = logp.detach() if proximal[index] is None else proximal[index]
-            mismatch.append(logprob_mismatch(trainer_side, behaviour, mask * current))
+            mismatch.append(
+                logprob_mismatch(
+                    logp.detach() if proximal[index] is None else proximal[index], behaviour, mask * current
+                )
+            )
         on = mask.bool()
         freshness.append(torch.stack([(current_version - versions)[on], (logp.detach() - behaviour)[on]], dim=-1))
         inputs = LossInputs(
@@ -438,8 +441,8 @@ def run_train(
     if config.kl_coef > 0:
         reference = parent if config.kl_reference == "parent" else checkpoints.local_copy(root, base)
         ref_model = load_policy(reference, dtype="float32")[0]
-    shuffled = config.minibatch_order == "shuffled"
-    batches = minibatches(rows, config.groups_per_step, config.steps_per_round, config.seed if shuffled else None)
+    shuffle_seed = config.seed if config.minibatch_order == "shuffled" else None
+    batches = minibatches(rows, config.groups_per_step, config.steps_per_round, shuffle_seed)
     recompute = proximal_plan(
         config.recompute_proximal, rollout_dtype, [r["engine"] for r in rows], batches, ctx.parent_policy_version
     )

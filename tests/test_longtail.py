@@ -63,6 +63,13 @@ def test_base_examples_count_down_further_than_the_task_and_are_never_held_out()
     assert base[:50] == _first(stream(seed=0), 50) != _first(stream(seed=1), 50)
 
 
+def test_base_examples_span_one_to_base_max_span():
+    """A run-on ends about where the base's longest example does, so ``BASE_MAX_SPAN`` bounds the tail of the
+    base's samples: every span up to it is drawn, none past it."""
+    base = _first(longtail.base_prompt_stream(seed=0), 20_000)
+    assert {p.reference.count(",") for p in base} == set(range(1, longtail.BASE_MAX_SPAN + 1))
+
+
 def test_the_addition_base_trains_on_the_training_prompts_draws_in_order():
     """The recipe takes each step's examples from ``base_prompt_stream`` as it goes; for addition they are
     the draws of ``training_prompts``, in order, seeded by the recipe's seed."""

@@ -6,8 +6,8 @@ Built so that completion lengths have a real tail, as reasoning traces do in RL 
   ``4(s + 1)`` characters; spans are drawn with probability proportional to ``s**-1.8`` (1 to 20), so
   most answers are a few tokens (p50 8) and one in a hundred is about eight times longer or more;
 - a wrong step runs on: the policy stops when it writes ``b``, so a sample that skips past ``b``
-  (a borrow gone wrong, a number dropped) keeps counting down, the way wrong reasoning does, until about
-  where the base's longest example ends or ``rollout.max_tokens`` (``BASE_MAX_SPAN``).
+  (a borrow gone wrong, a number dropped) keeps counting down, the way wrong reasoning does; it stops
+  about where the base's longest example ends (``BASE_MAX_SPAN``), or at ``rollout.max_tokens``.
 
 Pure data, like ``models.addition``: seeded prompt streams and a fixed held-out set of 500 prompts
 drawn from the same distribution, disjoint from every training prompt. The base recipe's supervised

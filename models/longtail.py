@@ -26,11 +26,12 @@ CHARACTERS = "0123456789>,="
 MAX_START = 999
 MAX_SPAN = 20
 SPAN_EXPONENT = 1.8
-BASE_MAX_SPAN = MAX_SPAN
-"""The base recipe's longest span. A run-on ends about where the base's longest example does (21 numbers,
-84 tokens), which holds p99 / p50 of its samples at 7; bases trained on spans to 23 and 27 passed 8 but
-counted worse, and RL on them levelled off below 85% (README, Presets). Changing it changes the base:
-bump the recipe version in ``models.builtin`` with it."""
+BASE_MAX_SPAN = 23
+"""The base recipe's longest span: 24 numbers, 95 characters at most, past the task's longest answer (84).
+A run-on ends about where the base's longest example does: a base whose examples stopped at the task's
+longest (v2) held p99 / p50 of its samples at 7 (84 tokens against 12); this one runs on to
+``rollout.max_tokens`` often enough for 9 (README, Presets). Changing it changes the base: bump the
+recipe version in ``models.builtin`` with it."""
 BASE_SPAN_EXPONENT = 1.0
 """Spans of the base recipe's supervised examples, drawn with weight ``1/s``: flatter than the task's, so
 the base has counted down (72% of its examples count past the first number, against 44% of the task's

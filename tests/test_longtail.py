@@ -63,11 +63,15 @@ def test_base_examples_count_down_further_than_the_task_and_are_never_held_out()
     assert base[:50] == _first(stream(seed=0), 50) != _first(stream(seed=1), 50)
 
 
-def test_base_examples_span_one_to_base_max_span():
-    """A run-on ends about where the base's longest example does, so ``BASE_MAX_SPAN`` bounds the tail of the
-    base's samples: every span up to it is drawn, none past it."""
+def test_base_examples_count_past_the_tasks_longest_answer():
+    """A run-on ends about where the base's longest example does: the recipe's examples take every span up to
+    ``BASE_MAX_SPAN``, past the task's longest answer, so the base's wrong samples can run on to
+    ``rollout.max_tokens`` rather than stop where the task's answers end."""
     base = _first(longtail.base_prompt_stream(seed=0), 20_000)
     assert {p.reference.count(",") for p in base} == set(range(1, longtail.BASE_MAX_SPAN + 1))
+    task_longest = len(longtail.longest_prompt().reference)
+    assert max(len(p.reference) for p in base) >= task_longest + 3 * 4  # three numbers further at least
+    assert max(len(p.reference) for p in longtail.training_prompts(seed=0, count=20_000)) <= task_longest
 
 
 def test_the_addition_base_trains_on_the_training_prompts_draws_in_order():

@@ -15,7 +15,8 @@ Three workloads, all sampled at temperature 1 with n samples per prompt:
 Figures are useful tokens (up to and including eos) per second, median of ``--repeats`` runs, and the
 ratios embedded / generate and slots / padded, measured in this run, the runs of the engines interleaved.
 ``1-pass`` is the slot cache with its attention in one pass over every row's span (models/kv_cache.py,
-``split_by_span``, turned off): ``split/1-pass`` is what the split saves when a few rows are long.
+``attention_chunks``, turned off): ``runs/1-pass`` is what attending in runs of similar length saves when
+a few rows are long.
 ``generate`` is not asked for logprobs, the embedded engine always computes them.
 
     python benchmarks/engine.py [--prompts 32] [--samples 8] [--tokens 32] [--rollout-prompts 2048] [--repeats 3]
@@ -77,12 +78,12 @@ def run_embedded(
     uniform: bool,
     kv_cache: str = "slots",
     max_batch: int = 0,
-    split: bool = True,
+    runs: bool = True,
 ) -> tuple[int, float]:
     from models import kv_cache as caches
     from models.engine import EmbeddedEngine, GroupRequest, SamplingParams
 
-    caches.SPLIT_MIN_ROWS = SPLIT_MIN_ROWS if split else 1 << 62
+    caches.ATTEND_BLOCK_ROWS = ATTEND_BLOCK_ROWS if runs else 1 << 62
     engine = EmbeddedEngine(
         model, tokenizer.eos_token_id, tokenizer.pad_token_id, max_batch=max_batch or len(texts) * samples,
         kv_cache=kv_cache,
@@ -94,13 +95,13 @@ def run_embedded(
     return useful, time.perf_counter() - start
 
 
-def _split_min_rows() -> int:
-    from models.kv_cache import SPLIT_MIN_ROWS
+def _attend_block_rows() -> int:
+    from models.kv_cache import ATTEND_BLOCK_ROWS
 
-    return SPLIT_MIN_ROWS
+    return ATTEND_BLOCK_ROWS
 
 
-SPLIT_MIN_ROWS = _split_min_rows()
+ATTEND_BLOCK_ROWS = _attend_block_rows()
 
 
 def measure(runs: dict, repeats: int) -> dict[str, tuple[float, int]]:
@@ -143,7 +144,7 @@ def main() -> None:
         ("1-pass tok/s", 14),
         ("emb/gen", 9),
         ("slots/pad", 10),
-        ("split/1-pass", 13),
+        ("runs/1-pass", 13),
     )
     print(f"{'workload':<40}" + "".join(f"{title:>{width}}" for title, width in header))
     workloads = [
@@ -155,7 +156,7 @@ def main() -> None:
     for name, batch, samples, tokens, uniform, rows in workloads:
         shape = (model, tokenizer, batch, samples, tokens, uniform)
         runs = {kv: functools.partial(run_embedded, *shape, kv, rows) for kv in ("padded", "slots")}
-        runs["1-pass"] = functools.partial(run_embedded, *shape, "slots", rows, split=False)
+        runs["1-pass"] = functools.partial(run_embedded, *shape, "slots", rows, runs=False)
         if rows == 0:  # generate runs one static batch; the refilled workloads are larger than any batch
             runs["generate"] = functools.partial(run_generate, *shape)
         got = measure(runs, args.repeats)

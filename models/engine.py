@@ -333,6 +333,8 @@ class EmbeddedEngine:
                     self.decode_steps += 1
                 if len(seqs) <= self.max_batch // 2:  # refill once half the rows are free: one prefill a wave
                     admitted = pull(self.max_batch - len(seqs))
+                    if admitted and seqs and (order := cache.sort_rows()) is not None:
+                        seqs, logits = [seqs[i] for i in order], logits[order]  # longest first again
                     if admitted:
                         joined = self._admit(cache, admitted)
                         logits = torch.cat([logits, joined]) if seqs else joined
@@ -386,6 +388,7 @@ class EmbeddedEngine:
         from models.kv_cache import distinct_inputs
 
         now = time.time()
+        seqs.sort(key=lambda s: -(len(s.group.prompt_token_ids) + len(s.tokens)))  # longest first: see attention_chunks
         for s in seqs:
             s.started_at = s.started_at or now
             s.segment_at = now

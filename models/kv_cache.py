@@ -5,6 +5,7 @@ Both kinds answer the same calls, which is all the engine's decode loop (models/
     admit(inputs, owner, width) -> logits [n, V]   prefill the distinct inputs once, one row per owner
     step(tokens)                -> logits [A, V]   feed one token to each of the A live rows
     retire(keep)                -> order           keep these rows; order[i] is the old row now at i
+    sort_rows()                 -> order | None    rows longest first again, where that pays (slots only)
     clear()                                        drop every row (new weights: the rows are prefilled again)
     live                                           rows held
 
@@ -183,14 +184,10 @@ class SlotCache:
 
         live = self.live
         positions = self.lengths[:live]
-        span = int(positions.max()) + 1
-        # Every row attends over the first `short` positions; the few rows holding more (the long tail)
-        # attend again over all `span` of theirs, and that answer replaces theirs. Without the split one
-        # run-on row makes every row of the batch pay for its length.
-        short, long_rows = split_by_span(positions, span)
-        short_mask = torch.arange(short) > positions.unsqueeze(-1)  # [A, short] True: not this row's key
-        if long_rows is not None:
-            long_mask = torch.arange(span) > positions[long_rows].unsqueeze(-1)  # [L, span]
+        # Runs of contiguous rows, each attending over the keys of its own longest row: rows are kept in
+        # order of length, so one run-on row does not make every row of the batch pay for its length.
+        chunks = attention_chunks(positions)
+        masks = [torch.arange(keys) > positions[a:b].unsqueeze(-1) for a, b, keys in chunks]  # True: not its key
         at = torch.arange(live) * self.width + positions  # each row's new column, in the flattened buffer
         hidden = self.model.model.embed_tokens(tokens).unsqueeze(1)  # [A, 1, hidden]
         cos, sin = self.cos[positions].view(live, 1, 1, -1), self.sin[positions].view(live, 1, 1, -1)
@@ -198,10 +195,11 @@ class SlotCache:
             q, k, v = self._project(layer, hidden, cos, sin)  # [A, 1, heads, head_dim]
             keys.view(-1, self.kv_heads, self.head_dim).index_copy_(0, at, k[:, 0])
             values.view(-1, self.kv_heads, self.head_dim).index_copy_(0, at, v[:, 0])
-            out = self._attend_one(q, keys[:live, :short], values[:live, :short], short_mask)
-            if long_rows is not None:
-                long_keys, long_values = (x[:, :span].index_select(0, long_rows) for x in (keys, values))
-                out[long_rows] = self._attend_one(q[long_rows], long_keys, long_values, long_mask)
+            parts = [
+                self._attend_one(q[a:b], keys[a:b, :span], values[a:b, :span], mask)
+                for (a, b, span), mask in zip(chunks, masks)
+            ]
+            out = parts[0] if len(parts) == 1 else torch.cat(parts)
             hidden = self._finish_layer(layer, hidden, out)
         self.lengths[:live] += 1
         return self._logits(hidden[:, 0])
@@ -246,6 +244,28 @@ class SlotCache:
         self.live = remaining
         return order
 
+    def sort_rows(self) -> list[int] | None:
+        """Put the live rows back in order, longest first, where that pays: a finished row's slot takes the
+        last live row, a short one, so rows fall out of order as long ones finish. The order (order[i] is the
+        old row now at i), or None if nothing moved: the keys the next ``SORT_PAYBACK_STEPS`` steps would
+        save must outweigh the keys copied (the positions the rows hold)."""
+        import torch
+
+        live = self.live
+        if live <= ATTEND_BLOCK_ROWS:
+            return None
+        positions = self.lengths[:live]
+        order = torch.argsort(positions, descending=True, stable=True)
+        saved = run_keys(attention_chunks(positions)) - run_keys(attention_chunks(positions[order]))
+        if saved * SORT_PAYBACK_STEPS <= int(positions.sum()):
+            return None
+        held = int(positions.max())
+        for buffer in self.keys + self.values:
+            used = buffer[:live, :held]
+            used.copy_(used.index_select(0, order))
+        self.lengths[:live] = positions[order]
+        return order.tolist()
+
     def clear(self) -> None:
         self.live = 0
 
@@ -275,36 +295,59 @@ PREFILL_PADDING_BUDGET = 128
 (``length_chunks``). A chunk costs one more forward call, about what a hundred or two prefill positions cost
 on the built-in policy."""
 
-SPLIT_MIN_ROWS = 32
-"""Batches smaller than this attend in one pass: the second pass's set-up costs more than it saves."""
-SPLIT_OVERHEAD_POSITIONS = 16
-"""The second pass's fixed cost, in positions of the whole batch (a rough figure: it decides only
-where the split pays, never the result)."""
+ATTEND_BLOCK_ROWS = 32
+"""The unit ``attention_chunks`` cuts the batch in: a run of rows is a whole number of these blocks."""
+CHUNK_OVERHEAD_KEYS = 1024
+"""A run's fixed cost (its own attention call in each layer), in keys read by one row (a rough figure:
+it decides only where a cut pays, never the result)."""
 
 
-def split_by_span(positions: torch.Tensor, span: int) -> tuple[int, torch.Tensor | None]:
-    """Where to split a decode step's attention: (short, long_rows). Every row attends over the first
-    ``short`` key positions; ``long_rows`` (None: no split) hold more keys than that and attend again over
-    all ``span``. ``positions`` [A]: each row's new key index, so row i reads positions[i] + 1 keys.
+SORT_PAYBACK_STEPS = 8
+"""``SlotCache.sort_rows`` moves rows only if the keys saved over this many decode steps outweigh the copy
+(rows are sorted when the engine refills, every few dozen steps)."""
 
-    Chooses the split that minimises A x short + 2 x L x span (the long rows' keys are gathered, then
-    attended; plus a fixed cost for the second pass): with most rows short and a few long ones, far less
-    than A x span. The result is the same either way;
-    only the work differs."""
+
+def run_keys(runs: list[tuple[int, int, int]]) -> int:
+    """Keys read by a decode step's attention cut into ``runs``: rows x keys, summed over the runs."""
+    return sum((end - first) * keys for first, end, keys in runs)
+
+
+def attention_chunks(positions: torch.Tensor) -> list[tuple[int, int, int]]:
+    """How a decode step's attention is cut: runs (first row, end row, keys) of contiguous rows, each
+    attending over the keys of its longest row. ``positions`` [A]: each row's new key index, so row i
+    reads positions[i] + 1 keys.
+
+    Rows held longest first (the engine admits them so, and ``retire`` keeps their order) make the runs
+    near-uniform: a few long rows then cost their own run, not a batch padded to their length. The cuts
+    fall between blocks of ``ATTEND_BLOCK_ROWS`` rows and minimise the keys read (rows x their run's
+    keys) plus ``CHUNK_OVERHEAD_KEYS`` a run. The result is the same however the batch is cut; only the
+    work differs."""
     import torch
 
     live = positions.shape[0]
-    if live < SPLIT_MIN_ROWS or span - int(positions.min()) - 1 <= SPLIT_OVERHEAD_POSITIONS:
-        return span, None  # too few rows, or lengths too close for a second pass to pay
-    counts = torch.sort(positions + 1).values  # [A] keys per row, ascending
-    long_count = torch.arange(live - 1, -1, -1)  # split at sorted row i: short = counts[i], A-1-i rows after it
-    # a long row pays twice: the gather of its keys and values, then the attention over them
-    cost = live * counts + 2 * long_count * span + (long_count > 0) * SPLIT_OVERHEAD_POSITIONS * live
-    best = int(torch.argmin(cost))
-    short = int(counts[best])
-    if short >= span:
-        return span, None
-    return short, torch.nonzero(positions + 1 > short).squeeze(1)
+    counts = positions + 1
+    if live <= ATTEND_BLOCK_ROWS:
+        return [(0, live, int(counts.max()))]
+    blocks = -(-live // ATTEND_BLOCK_ROWS)
+    padded = torch.zeros(blocks * ATTEND_BLOCK_ROWS, dtype=counts.dtype)
+    padded[:live] = counts
+    widest = padded.view(blocks, ATTEND_BLOCK_ROWS).max(1).values.tolist()  # keys of each block's longest row
+    ends = [min(live, (j + 1) * ATTEND_BLOCK_ROWS) for j in range(blocks)]
+    # best[j]: the least cost of blocks 0..j-1; cut[j]: where its last run starts
+    best, cut = [0] + [0] * blocks, [0] * (blocks + 1)
+    for j in range(1, blocks + 1):
+        keys, best[j] = 0, None
+        for i in range(j - 1, -1, -1):  # the last run is blocks i..j-1
+            keys = max(keys, widest[i])
+            cost = best[i] + (ends[j - 1] - i * ATTEND_BLOCK_ROWS) * keys + CHUNK_OVERHEAD_KEYS
+            if best[j] is None or cost < best[j]:
+                best[j], cut[j] = cost, i
+    runs, j = [], blocks
+    while j > 0:
+        i = cut[j]
+        runs.append((i * ATTEND_BLOCK_ROWS, ends[j - 1], max(widest[i:j])))
+        j = i
+    return runs[::-1]
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -327,6 +370,10 @@ class PaddedCache:
     @property
     def live(self) -> int:
         return 0 if self.mask is None else self.mask.shape[0]
+
+    def sort_rows(self) -> None:
+        """Left-padded rows cost the same in any order: nothing moves."""
+        return None
 
     def clear(self) -> None:
         self.cache = self.mask = self.next_pos = None

@@ -15,7 +15,7 @@ Three workloads, all sampled at temperature 1 with n samples per prompt:
 Figures are useful tokens (up to and including eos) per second, median of ``--repeats`` runs, and the
 ratios embedded / generate and slots / padded, measured in this run, the runs of the engines interleaved.
 ``1-pass`` is the slot cache with its attention in one pass over every row's span (models/kv_cache.py,
-``attention_chunks``, turned off): ``runs/1-pass`` is what attending in runs of similar length saves when
+``attention_runs``, turned off): ``runs/1-pass`` is what attending in runs of similar length saves when
 a few rows are long.
 ``generate`` is not asked for logprobs, the embedded engine always computes them.
 

@@ -388,7 +388,7 @@ class EmbeddedEngine:
         from models.kv_cache import distinct_inputs
 
         now = time.time()
-        seqs.sort(key=lambda s: -(len(s.group.prompt_token_ids) + len(s.tokens)))  # longest first: see attention_chunks
+        seqs.sort(key=lambda s: -(len(s.group.prompt_token_ids) + len(s.tokens)))  # longest first: see attention_runs
         for s in seqs:
             s.started_at = s.started_at or now
             s.segment_at = now

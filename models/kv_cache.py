@@ -186,8 +186,8 @@ class SlotCache:
         positions = self.lengths[:live]
         # Runs of contiguous rows, each attending over the keys of its own longest row: rows are kept in
         # order of length, so one run-on row does not make every row of the batch pay for its length.
-        chunks = attention_chunks(positions)
-        masks = [torch.arange(keys) > positions[a:b].unsqueeze(-1) for a, b, keys in chunks]  # True: not its key
+        runs = attention_runs(positions)
+        masks = [torch.arange(keys) > positions[a:b].unsqueeze(-1) for a, b, keys in runs]  # True: not its key
         at = torch.arange(live) * self.width + positions  # each row's new column, in the flattened buffer
         hidden = self.model.model.embed_tokens(tokens).unsqueeze(1)  # [A, 1, hidden]
         cos, sin = self.cos[positions].view(live, 1, 1, -1), self.sin[positions].view(live, 1, 1, -1)
@@ -197,7 +197,7 @@ class SlotCache:
             values.view(-1, self.kv_heads, self.head_dim).index_copy_(0, at, v[:, 0])
             parts = [
                 self._attend_one(q[a:b], keys[a:b, :span], values[a:b, :span], mask)
-                for (a, b, span), mask in zip(chunks, masks)
+                for (a, b, span), mask in zip(runs, masks)
             ]
             out = parts[0] if len(parts) == 1 else torch.cat(parts)
             hidden = self._finish_layer(layer, hidden, out)
@@ -256,7 +256,7 @@ class SlotCache:
             return None
         positions = self.lengths[:live]
         order = torch.argsort(positions, descending=True, stable=True)
-        saved = run_keys(attention_chunks(positions)) - run_keys(attention_chunks(positions[order]))
+        saved = run_keys(attention_runs(positions)) - run_keys(attention_runs(positions[order]))
         if saved * SORT_PAYBACK_STEPS <= int(positions.sum()):
             return None
         held = int(positions.max())
@@ -296,8 +296,8 @@ PREFILL_PADDING_BUDGET = 128
 on the built-in policy."""
 
 ATTEND_BLOCK_ROWS = 32
-"""The unit ``attention_chunks`` cuts the batch in: a run of rows is a whole number of these blocks."""
-CHUNK_OVERHEAD_KEYS = 1024
+"""The unit ``attention_runs`` cuts the batch in: a run is a whole number of these blocks (the last may be short)."""
+RUN_OVERHEAD_KEYS = 1024
 """A run's fixed cost (its own attention call in each layer), in keys read by one row (a rough figure:
 it decides only where a cut pays, never the result)."""
 
@@ -312,15 +312,16 @@ def run_keys(runs: list[tuple[int, int, int]]) -> int:
     return sum((end - first) * keys for first, end, keys in runs)
 
 
-def attention_chunks(positions: torch.Tensor) -> list[tuple[int, int, int]]:
+def attention_runs(positions: torch.Tensor) -> list[tuple[int, int, int]]:
     """How a decode step's attention is cut: runs (first row, end row, keys) of contiguous rows, each
     attending over the keys of its longest row. ``positions`` [A]: each row's new key index, so row i
     reads positions[i] + 1 keys.
 
-    Rows held longest first (the engine admits them so, and ``retire`` keeps their order) make the runs
+    Rows held longest first (the engine admits them so, they keep their order as they grow, and
+    ``SlotCache.sort_rows`` restores it at refill after ``retire`` moved short rows up) make the runs
     near-uniform: a few long rows then cost their own run, not a batch padded to their length. The cuts
     fall between blocks of ``ATTEND_BLOCK_ROWS`` rows and minimise the keys read (rows x their run's
-    keys) plus ``CHUNK_OVERHEAD_KEYS`` a run. The result is the same however the batch is cut; only the
+    keys) plus ``RUN_OVERHEAD_KEYS`` a run. The result is the same however the batch is cut; only the
     work differs."""
     import torch
 
@@ -334,13 +335,13 @@ def attention_chunks(positions: torch.Tensor) -> list[tuple[int, int, int]]:
     widest = padded.view(blocks, ATTEND_BLOCK_ROWS).max(1).values.tolist()  # keys of each block's longest row
     ends = [min(live, (j + 1) * ATTEND_BLOCK_ROWS) for j in range(blocks)]
     # best[j]: the least cost of blocks 0..j-1; cut[j]: where its last run starts
-    best, cut = [0] + [0] * blocks, [0] * (blocks + 1)
+    best, cut = [0] + [float("inf")] * blocks, [0] * (blocks + 1)
     for j in range(1, blocks + 1):
-        keys, best[j] = 0, None
+        keys = 0
         for i in range(j - 1, -1, -1):  # the last run is blocks i..j-1
             keys = max(keys, widest[i])
-            cost = best[i] + (ends[j - 1] - i * ATTEND_BLOCK_ROWS) * keys + CHUNK_OVERHEAD_KEYS
-            if best[j] is None or cost < best[j]:
+            cost = best[i] + (ends[j - 1] - i * ATTEND_BLOCK_ROWS) * keys + RUN_OVERHEAD_KEYS
+            if cost < best[j]:
                 best[j], cut[j] = cost, i
     runs, j = [], blocks
     while j > 0:

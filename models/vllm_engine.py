@@ -56,8 +56,13 @@ FINISH_REASONS = ("stop", "length")  # anything else vLLM reports (abort, error)
 def default_engine_args(on_cpu: bool) -> dict[str, Any]:
     """Engine sizing that works out of the box; ``RLROUNDS_VLLM_ARGS`` (JSON) overrides any of it.
 
-    CPU: eager mode (no graph compilation at start) and an explicit KV-cache size
-    (``VLLM_CPU_KVCACHE_SPACE`` GiB, default 1), which also skips vLLM's warm-up profiling run.
+    CPU: eager mode (no graph compilation at start), an explicit KV-cache size
+    (``VLLM_CPU_KVCACHE_SPACE`` GiB, default 1), which also skips vLLM's warm-up profiling run, and no
+    chunked prefill: the CPU build cannot rewind the generator of a seeded request whose prefill was
+    split over two steps, and its engine died when the prompts joining at once (resumed partial
+    rollouts re-prefill prompt + prefix) held more tokens than one step schedules. Unsplit, a prompt
+    longer than a step's budget (``max_num_batched_tokens``) is refused at start by vLLM; raise it
+    through ``RLROUNDS_VLLM_ARGS``.
     GPU: a bit under half the device, so the rollout engine and an evaluation engine at another
     precision fit side by side.
     """
@@ -65,7 +70,11 @@ def default_engine_args(on_cpu: bool) -> dict[str, Any]:
 
     if on_cpu:
         gib = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or 1)
-        args: dict[str, Any] = {"enforce_eager": True, "kv_cache_memory_bytes": int(gib * 2**30)}
+        args: dict[str, Any] = {
+            "enforce_eager": True,
+            "kv_cache_memory_bytes": int(gib * 2**30),
+            "enable_chunked_prefill": False,
+        }
     else:
         args = {"gpu_memory_utilization": 0.45}
     extra = os.environ.get("RLROUNDS_VLLM_ARGS")

@@ -51,6 +51,34 @@ def test_every_preset_validates_and_is_shipped_as_package_data(name):
     assert any(fnmatch.fnmatch(f"presets/{name}.yaml", g) for g in globs), globs
 
 
+BENCHMARK_CONFIGS = sorted(os.listdir(os.path.join(ROOT, "benchmarks", "configs")))
+
+
+@pytest.mark.parametrize("name", BENCHMARK_CONFIGS)
+def test_benchmark_configs_lay_over_the_long_tail_preset(name):
+    """The files `benchmarks/batch_collection.py --config` is shown with stay valid as the config grows."""
+    path = os.path.join(ROOT, "benchmarks", "configs", name)
+    config, preset = load_campaign_config(path, "long-tail"), load_campaign_config(None, "long-tail")
+    assert config.round.rollout.engine == "vllm"  # what each file is for
+    assert config.round.prompts == preset.round.prompts and config.round.verify == preset.round.verify
+
+
+def test_the_collection_benchmark_rejects_a_missing_config_before_it_starts(tmp_path):
+    """A bad --config ends the run at once, naming the file, before any base is built or run taken over."""
+    import subprocess
+    import sys
+
+    missing = tmp_path / "nowhere.yaml"
+    done = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "batch_collection.py"), "--config", str(missing),
+         "--storage", str(tmp_path / "store")],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )
+    assert done.returncode == 2, done.stderr
+    assert f"config file {missing} does not exist" in done.stderr
+    assert not (tmp_path / "store").exists()
+
+
 def test_config_file_is_laid_over_the_preset_and_flags_apply_last(tmp_path):
     path = tmp_path / "mine.yaml"
     path.write_text(yaml.safe_dump({"rounds": 3, "round": {"train": {"learning_rate": 5e-5}, "seed": 9}}))

@@ -106,6 +106,29 @@ def test_seeded_samples_reproduce(served):
     assert other != runs[0]
 
 
+def test_seeded_samples_whose_prompts_overflow_one_steps_token_budget(served):
+    """A batch whose prompts hold more tokens than one engine step schedules: on the CPU build a seeded
+    request whose prefill was split over two steps killed the engine (its generator cannot rewind), as
+    resumed partial rollouts (prompt + prefix) did on the long-tail preset. Every sample comes back,
+    and the same seeds give the same tokens."""
+    engine, tok = served
+    budget = engine.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    prompt = tuple(tok("9" * (budget // engine.max_batch + 2) + "+1=")["input_ids"])
+    groups = engine.max_batch // 8
+    assert groups * 8 * len(prompt) > budget  # the admitted prefills do not fit one step
+    params = SamplingParams(temperature=1.0, max_tokens=4, seed=11)
+
+    def run():
+        return {
+            (s.group_id, s.sample_index): s.token_ids
+            for s in engine.generate(GroupRequest(f"long{i}", prompt, 8, params) for i in range(groups))
+        }
+
+    first = run()
+    assert len(first) == groups * 8 and all(first.values())
+    assert run() == first
+
+
 def test_greedy_matches_the_embedded_engine(served, storage):
     engine, tok = served
     model, _ = load_policy(storage[1])

@@ -189,13 +189,10 @@ CURVE_LEVELS = (0.6, 0.65, 0.7, 0.75, 0.8, 0.85)
 curve flattens says more about the noise of a single evaluation than about the collection mode."""
 
 
-def campaign(
-    storage: str, preset: str, config_path: str | None, mode: str, rounds: int, seed: int, target: float
-) -> dict:
+def campaign(storage: str, config, mode: str, rounds: int, seed: int, target: float) -> dict:
+    """``config``: the campaign config (preset and --config) every mode starts from."""
     from flows.campaign import new_run_id, rl_campaign
-    from flows.config import load_campaign_config
 
-    config = load_campaign_config(config_path, preset)
     rollout = rollout_for(config.round.rollout, "partial_rollouts" if mode == "overlap" else mode)
     round_config = config.round.model_copy(
         update={"seed": seed, "rollout": rollout, "mode": "overlap" if mode == "overlap" else "sync"}
@@ -369,7 +366,7 @@ def main() -> None:
         figures["campaign"] = {}
         for mode in campaign_modes:
             figures["campaign"][mode] = c = campaign(
-                args.storage, args.preset, args.config, mode, campaign_rounds, args.seed, target
+                args.storage, campaign_config, mode, campaign_rounds, args.seed, target
             )
             reached = (
                 "not reached"

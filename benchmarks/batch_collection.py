@@ -28,7 +28,7 @@ Per round, means over the rounds:
 - idle_s: decode-slot idle seconds, the integral over the collection of (1 - sequences generating /
   rollout.max_batch): the accelerator time a round leaves unused where a decode step costs about the
   same whatever its batch (a GPU); it counts the engine's waits on the environment in full;
-- decode_steps: the engine's decode steps (models/engine.py, ``decode_steps``). A CPU step costs about what
+- decode_steps: the engine's decode steps (models/engines/embedded.py, ``decode_steps``). A CPU step costs about what
   its rows do, so time here goes with the tokens generated; on an accelerator below its batch limit a step
   costs about the same whatever its batch, and time goes with the steps. The run prints both ratios beside
   the measured one;

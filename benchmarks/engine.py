@@ -1,5 +1,5 @@
 """Embedded engine vs transformers ``generate``: same model, same prompts, same sampling settings; and
-the embedded engine's two KV caches (models/kv_cache.py) against each other.
+the embedded engine's two KV caches (models/engines/kv_cache.py) against each other.
 
 Three workloads, all sampled at temperature 1 with n samples per prompt:
 - uniform:     every completion is exactly ``--tokens`` long (eos ignored by both engines);
@@ -14,7 +14,7 @@ Three workloads, all sampled at temperature 1 with n samples per prompt:
                eos-ended, through one engine of 1024 rows (rows leave and join all the time).
 Figures are useful tokens (up to and including eos) per second, median of ``--repeats`` runs, and the
 ratios embedded / generate and slots / padded, measured in this run, the runs of the engines interleaved.
-``1-pass`` is the slot cache with its attention in one pass over every row's span (models/kv_cache.py,
+``1-pass`` is the slot cache with its attention in one pass over every row's span (models/engines/kv_cache.py,
 ``attention_runs``, turned off): ``runs/1-pass`` is what attending in runs of similar length saves when
 a few rows are long.
 ``generate`` is not asked for logprobs, the embedded engine always computes them.
@@ -34,9 +34,9 @@ import warnings
 def build_model(vocab_hidden=(16, 128), seed: int = 0):
     import torch
 
-    from models.base_policy import BaseRecipe
-    from models.base_policy import build_model as build
-    from models.tokenizer import build_char_tokenizer
+    from models.builtin.base_policy import BaseRecipe
+    from models.builtin.base_policy import build_model as build
+    from models.builtin.tokenizer import build_char_tokenizer
 
     torch.manual_seed(seed)
     tokenizer = build_char_tokenizer()
@@ -80,8 +80,9 @@ def run_embedded(
     max_batch: int = 0,
     runs: bool = True,
 ) -> tuple[int, float]:
-    from models import kv_cache as caches
-    from models.engine import EmbeddedEngine, GroupRequest, SamplingParams
+    from models.engines import kv_cache as caches
+    from models.engines.embedded import EmbeddedEngine
+    from models.engines.types import GroupRequest, SamplingParams
 
     caches.ATTEND_BLOCK_ROWS = ATTEND_BLOCK_ROWS if runs else 1 << 62
     engine = EmbeddedEngine(
@@ -96,7 +97,7 @@ def run_embedded(
 
 
 def _attend_block_rows() -> int:
-    from models.kv_cache import ATTEND_BLOCK_ROWS
+    from models.engines.kv_cache import ATTEND_BLOCK_ROWS
 
     return ATTEND_BLOCK_ROWS
 

@@ -1,7 +1,7 @@
 """Embedded engine vs vLLM: tokens/s on the same model, prompts and sampling settings, and the ratio.
 
 Two models, both with the built-in character tokenizer and randomly initialised weights:
-- builtin: the built-in policy's architecture (models.base_policy.BaseRecipe: 0.64M parameters);
+- builtin: the built-in policy's architecture (models.builtin.base_policy.BaseRecipe: 0.64M parameters);
 - llama-85m: a Llama of about 85M parameters (hidden 768, 12 layers, 12 heads, FFN 2048).
 One workload: ``--prompts`` x ``--samples`` completions of exactly ``--tokens`` tokens (eos ignored),
 temperature 1, per-sample seeds and behaviour logprobs on both engines (what a rollout asks for).
@@ -32,9 +32,9 @@ MODELS = {
 def save_model(directory: str, hidden: int, layers: int, heads: int, ffn: int, seed: int = 0) -> int:
     import torch
 
-    from models.base_policy import BaseRecipe, build_model
-    from models.policy import save_policy
-    from models.tokenizer import build_char_tokenizer
+    from models.builtin.base_policy import BaseRecipe, build_model
+    from models.builtin.tokenizer import build_char_tokenizer
+    from models.checkpoint import save_policy
 
     torch.manual_seed(seed)
     tokenizer = build_char_tokenizer()
@@ -47,7 +47,7 @@ def save_model(directory: str, hidden: int, layers: int, heads: int, ffn: int, s
 
 def requests(tokenizer, prompts: int, samples: int, tokens: int, seed: int):
     from models import addition
-    from models.engine import GroupRequest, SamplingParams
+    from models.engines.types import GroupRequest, SamplingParams
 
     params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=tokens, seed=seed, ignore_eos=True)
     texts = [p.text for p in addition.training_prompts(seed=123, count=prompts)]

@@ -33,9 +33,9 @@ import time
 
 def round_metrics(storage: str, experiment: str, run_id: str) -> list[dict[str, float]]:
     """Every round's final metric values, from the campaign's MLflow round runs (round 1 first)."""
-    from storage.lineage import KIND_TAG, ROUND_TAG, RUN_ID_TAG, Tracker
     from storage.paths import StorageRoot
     from storage.settings import settings
+    from storage.tracking import KIND_TAG, ROUND_TAG, RUN_ID_TAG, Tracker
 
     tracker = Tracker.connect(settings(), StorageRoot.of(storage), must_exist=True)
     experiment_id = tracker.experiment_id(experiment)

@@ -53,7 +53,7 @@ def main() -> None:
     from pydantic import ValidationError
 
     from flows.config import describe_validation_error, load_campaign_config
-    from models.engine import GroupRequest, SamplingParams
+    from models.engines.types import GroupRequest, SamplingParams
     from tasks.base import run_prepare_base
     from tasks.engines import make_engine
     from tasks.prompts import prompt_stream
@@ -172,7 +172,7 @@ def main() -> None:
     )
 
     # 4. Where the base fails: greedy held-out accuracy by span (numbers counted down past the first).
-    from models.longtail import held_out_prompts
+    from models.builtin.longtail import held_out_prompts
 
     held_out = held_out_prompts()
     greedy = SamplingParams(0.0, 1.0, rc.evaluate.max_tokens, 0)

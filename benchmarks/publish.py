@@ -36,7 +36,7 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     from transformers.utils import logging as hf_logging
 
-    from models.engine import GroupRequest, SamplingParams
+    from models.engines.types import GroupRequest, SamplingParams
     from tasks.engines import drop_serving_engines, serving_engine
 
     hf_logging.set_verbosity_error()

@@ -42,12 +42,13 @@ def main() -> None:
     if (args.run_id is None) != (args.round is None):
         parser.error("--run-id and --round go together")
 
-    from models.engine import EmbeddedEngine, GroupRequest, SamplingParams
-    from models.policy import (
+    from models.checkpoint import load_policy
+    from models.engines.embedded import EmbeddedEngine
+    from models.engines.types import GroupRequest, SamplingParams
+    from models.logprobs import (
         COMPLETION_PADDING_BUDGET,
         completion_logprobs,
         length_chunks,
-        load_policy,
         pack_sequences,
         pack_shared,
         token_logprobs,
@@ -141,7 +142,7 @@ def thread_setting_cost(score, model, repeats: int) -> dict:
     """Medians of ``score()`` (wall and system seconds) before and after ``torch.set_num_threads`` is called
     with the thread count already in use: a call that changes nothing, yet leaves the process's OpenMP
     threads waking each other by system call at every parallel op (why rlrounds never makes it in a
-    campaign's process, models/base_policy.py)."""
+    campaign's process, models/builtin/base_policy.py)."""
     import resource
 
     import torch

@@ -25,8 +25,10 @@ import argparse
 import math
 import statistics
 
-from models.engine import EmbeddedEngine, GroupRequest, SamplingParams
-from models.policy import load_policy, logprobs_by_version
+from models.checkpoint import load_policy
+from models.engines.embedded import EmbeddedEngine
+from models.engines.types import GroupRequest, SamplingParams
+from models.logprobs import logprobs_by_version
 from tasks.overlap import UpdateAtStep
 from tasks.prompts import PromptsConfig, prompt_stream
 

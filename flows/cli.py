@@ -327,11 +327,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _known_input_error(exc: BaseException) -> str | None:
     """Errors that name a fix the user can make; anything else is a bug and keeps its traceback."""
-    from models.policy import PolicyLoadError
+    from models.checkpoint import PolicyLoadError
     from storage.campaigns import CampaignError
     from storage.checkpoints import CheckpointError
-    from storage.lineage import LineageError  # includes storage.audit.AuditError, tasks.replay.ReplayError
     from storage.query import QueryError
+    from storage.tracking import LineageError  # includes storage.lineage.AuditError, tasks.replay.ReplayError
     from storage.trajectories import TrajectoryStoreError  # includes CorruptPartError
     from tasks.prompts import PromptError
     from tasks.verifiers.pool import InfraFailureRateError

@@ -163,7 +163,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from storage.audit import derivation_of, describe_derivation
+    from storage.lineage import derivation_of, describe_derivation
     from storage.query import summarize
     from storage.trajectories import find_version, read_table
 
@@ -314,9 +314,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def cmd_lineage(args: argparse.Namespace) -> int:
-    from storage.audit import format_lineage, to_json, walk
-    from storage.lineage import Tracker, parse_model_version
+    from storage.lineage import format_lineage, to_json, walk
     from storage.settings import settings
+    from storage.tracking import Tracker, parse_model_version
 
     parse_model_version(args.model_version)  # a malformed reference fails before MLflow is touched
     root = _root(args)
@@ -331,9 +331,9 @@ def cmd_lineage(args: argparse.Namespace) -> int:
 def cmd_tracking_server(args: argparse.Namespace) -> int:
     """Open (create, migrate) the root's MLflow store under its lock, then become ``mlflow server`` on it."""
     from flows.errors import UserError
-    from storage.lineage import Tracker, server_command
     from storage.paths import StorageRoot
     from storage.settings import settings
+    from storage.tracking import Tracker, server_command
 
     if args.workers < 1 or not 0 < args.port < 65536:
         raise UserError("--workers must be 1 or more and --port a port number (1-65535)")

@@ -19,8 +19,8 @@ from pydantic import field_validator
 from flows.campaign import code_version
 from flows.config import RoundConfig
 from flows.tasks import plan_replay_task, publish_replay_task, refilter_task, reverify_task, train_task
-from storage.lineage import LineageError, parse_model_version
 from storage.settings import settings
+from storage.tracking import LineageError, parse_model_version
 from tasks.config_base import Config
 from tasks.engines import released_engines
 from tasks.refilter import RefilterRequest, ReverifyRequest

@@ -1,298 +1,183 @@
-"""MLflow adapter: campaign and round runs, stage metrics, registered checkpoints and their lineage tags.
+"""Lineage audit: from a registered model version back to the base policy, one step per checkpoint.
 
-Everything goes through an explicit ``MlflowClient`` and run ids, never the fluent API's global
-"active run", so Prefect tasks on worker threads cannot log into each other's runs. Runs are found
-again by tags (``rlrounds.run_id``, ``rlrounds.round``), so a resumed campaign reuses its runs.
+Reads only the MLflow registry (each model version's lineage tags: ``parent_model_version``,
+``trajectory_version``, ``config_hash``, ``code_version``, ``prefect_flow_run_id``, ``line``, ``eval.*``) and the
+trajectory manifests (how each trajectory version was derived). No run, checkpoint or Prefect server
+has to be alive for an audit.
 """
 
 from __future__ import annotations
 
-import os
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from storage.paths import StorageRoot
-from storage.settings import Settings
+from storage.tracking import LINE_TAG, LineageError, checkpoint_uri, parse_model_version
 
-RUN_ID_TAG = "rlrounds.run_id"
-ROUND_TAG = "rlrounds.round"
-KIND_TAG = "rlrounds.kind"
-LINEAGE_TAGS = (
-    "round",
-    "run_id",
-    "parent_model_version",
-    "trajectory_version",
-    "base_model",
-    "config_hash",
-    "code_version",
-    "prefect_flow_run_id",
-)
-CHECKPOINT_TAG = "checkpoint"
-"""The checkpoint URI, beside the version's source: an MLflow server accepts a local path as a source only
-inside the run's artifact directory, so through one a local checkpoint is registered with the run's
-artifact URI as its source and found by this tag (``checkpoint_uri``)."""
-LINE_TAG = "line"
-"""A model version's promotion line (tasks/publish.py, promotion_line): the champion gate compares only
-versions of one line. Versions registered before lines existed have none."""
+NO_PARENT = "none"
 
 
-class LineageError(RuntimeError):
+class AuditError(LineageError):
     pass
 
 
-def checkpoint_uri(model_version: Any) -> str:
-    """The checkpoint a registered model version was trained into (its tag, else its source)."""
-    return str((model_version.tags or {}).get(CHECKPOINT_TAG) or model_version.source or "")
-
-
-def parse_model_version(ref: str) -> tuple[str, str]:
-    """'NAME/VERSION' -> (name, version); the one parser of a registered model version reference."""
-    name, sep, version = ref.rpartition("/")
-    if not sep or not name or not version.isdigit():
-        raise LineageError(f"model version {ref!r} must look like NAME/VERSION, e.g. rlrounds-addition/3")
-    return name, version
-
-
-def tracking_uris(settings: Settings, root: StorageRoot) -> tuple[str, str]:
-    """(tracking URI, default artifact location)."""
-    if settings.mlflow_uri:
-        tracking = settings.mlflow_uri
-    elif root.is_local:
-        tracking = f"sqlite:///{root.mlflow_db()}"
-    else:
-        # A SQLite file cannot live on S3: keep one per root in the local cache unless a server is given
-        # (set RLROUNDS_MLFLOW_URI to share a registry between machines).
-        from storage.paths import local_mlflow_db
-
-        tracking = f"sqlite:///{local_mlflow_db(root.uri)}"
-    artifacts = settings.mlflow_artifacts or root.mlflow_artifacts()
-    return tracking, artifacts
-
-
-def server_command(settings: Settings, root: StorageRoot, host: str, port: int, workers: int) -> list[str]:
-    """``mlflow server`` over the root's own store: the SQLite file rounds use without a server (with the
-    same lock wait) and the root's artifact directory, so a server started later sees what rounds wrote
-    before, and rounds that stop using it later see what they wrote through it."""
-    import sys
-
-    tracking, artifacts = tracking_uris(settings.model_copy(update={"mlflow_uri": None}), root)
-    return [
-        sys.executable,
-        "-m",
-        "mlflow",
-        "server",
-        "--backend-store-uri",
-        f"{tracking}?timeout={SQLITE_BUSY_TIMEOUT_S}",
-        "--artifacts-destination",
-        artifacts,
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--workers",
-        str(workers),
-    ]
-
-
-def probe_server(tracking: str, timeout_s: float = 5.0) -> None:
-    """Fail in seconds when nothing answers at a tracking server: MLflow's own client retries with
-    back-off for minutes before it gives up on a refused connection."""
-    import urllib.error
-    import urllib.request
-
-    try:
-        urllib.request.urlopen(tracking.rstrip("/") + "/health", timeout=timeout_s).close()
-    except urllib.error.HTTPError:
-        pass  # something answered; whether it is MLflow, the first real call tells
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        reason = getattr(exc, "reason", None) or exc
-        raise LineageError(
-            f"cannot reach MLflow at {tracking} ({reason}); start the tracking server, "
-            "or set RLROUNDS_MLFLOW_URI to a reachable one (unset it to use SQLite in the storage root)"
-        ) from None
-
-
-SQLITE_BUSY_TIMEOUT_S = 120
-
-
-@contextmanager
-def _exclusive(lock_path: str) -> Iterator[None]:
-    """Hold an exclusive advisory lock on ``lock_path`` (created if needed) for the block."""
-    import fcntl
-
-    with open(lock_path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 @dataclass
-class Tracker:
-    client: Any
-    artifact_location: str
-    server: bool = False
-    """Talking to an MLflow tracking server (RLROUNDS_MLFLOW_URI=http://...) rather than a SQLite file."""
+class LineageStep:
+    model_version: str
+    round: str
+    kind: str
+    """'base' (registered as round 0), 'round' (trained by a campaign round) or 'replay'."""
+    run_id: str
+    parent_model_version: str
+    trajectory_version: str
+    derivation: list[dict] = field(default_factory=list)
+    """The trajectory version and its ancestors, nearest first (empty for the base)."""
+    config_hash: str = ""
+    code_version: str = ""
+    prefect_flow_run_id: str = ""
+    base_model: str = ""
+    checkpoint: str = ""
+    evaluation: dict[str, str] = field(default_factory=dict)
+    line: str = ""
+    """The promotion line the version belongs to (empty for versions registered before lines existed)."""
+    aliases: list[str] = field(default_factory=list)
+    """Registry aliases the version holds now, e.g. ['champion'] for its line's champion."""
 
-    @classmethod
-    def connect(cls, settings: Settings, root: StorageRoot, must_exist: bool = False) -> Tracker:
-        """``must_exist``: for read-only commands, refuse to create an empty SQLite store."""
-        import logging
 
-        logging.getLogger("alembic").setLevel(logging.WARNING)
-        tracking, artifacts = tracking_uris(settings, root)
-        if settings.s3_endpoint:  # MLflow's S3 artifact store reads its endpoint from this variable only
-            os.environ["MLFLOW_S3_ENDPOINT_URL"] = settings.s3_endpoint
-        if tracking.startswith("sqlite:///"):
-            db = tracking.removeprefix("sqlite:///").split("?", 1)[0]
-            if must_exist and not os.path.exists(db):
-                raise LineageError(
-                    f"no MLflow registry at {db}; run a campaign with this storage root first, "
-                    "or set RLROUNDS_MLFLOW_URI to the tracking server the rounds used"
-                )
-            os.makedirs(os.path.dirname(db) or ".", exist_ok=True)
-        if tracking.startswith(("http://", "https://")):
-            probe_server(tracking)
-        from mlflow import MlflowClient
+def derivation_of(root: StorageRoot, trajectory_version: str, limit: int = 100) -> list[dict]:
+    """What each manifest in the version's chain says about how it was made, nearest first."""
+    from storage.trajectories import TrajectoryStoreError, find_version
 
-        if not tracking.startswith("sqlite:///"):
-            try:
-                client = MlflowClient(tracking_uri=tracking, registry_uri=tracking)
-                client.search_experiments(max_results=1)
-            except Exception as exc:
-                raise LineageError(
-                    f"cannot reach MLflow at {tracking}: {exc}; set RLROUNDS_MLFLOW_URI to a reachable tracking server"
-                ) from exc
-            return cls(client, artifacts, server=tracking.startswith(("http://", "https://")))
-        # Many campaigns, rounds and replays may open one SQLite store at once. MLflow creates and
-        # migrates a new store on first use, and two processes migrating together break each other
-        # (duplicate tables, half-applied revisions), so one process at a time opens it. Writers then
-        # wait up to SQLITE_BUSY_TIMEOUT_S for each other's locks instead of failing at SQLite's 5 s.
-        uri = (
-            tracking
-            if "timeout=" in tracking
-            else f"{tracking}{'&' if '?' in tracking else '?'}timeout={SQLITE_BUSY_TIMEOUT_S}"
+    out: list[dict] = []
+    version: str | None = trajectory_version
+    while version and version != NO_PARENT and len(out) < limit:
+        try:
+            manifest = find_version(root, version)
+        except TrajectoryStoreError as exc:
+            out.append({"version": version, "kind": "missing", "error": str(exc)})
+            break
+        d = manifest.derivation
+        entry: dict[str, Any] = {
+            "version": manifest.version,
+            "kind": manifest.kind,
+            "run_id": manifest.body.get("run_id"),
+            "round": manifest.body.get("round"),
+            "rows": manifest.rows,
+            "uri": manifest.directory,
+        }
+        if manifest.parent:
+            entry.update(parent=manifest.parent, where=d.get("where"), regroup=d.get("regroup", False))
+        else:
+            entry.update(
+                target_groups=d.get("target_groups"), policy_version=d.get("policy_version"), filter=d.get("filter")
+            )
+        out.append(entry)
+        version = manifest.parent
+    return out
+
+
+def walk(tracker: Any, root: StorageRoot, ref: str, limit: int = 10_000) -> list[LineageStep]:
+    """Follow ``parent_model_version`` tags from ``ref`` to the version whose parent is 'none'."""
+    steps: list[LineageStep] = []
+    seen: set[str] = set()
+    current = ref
+    while current != NO_PARENT:
+        if current in seen or len(steps) >= limit:
+            raise AuditError(
+                f"lineage of {ref} loops at {current}; the registry's parent_model_version tags are inconsistent"
+            )
+        seen.add(current)
+        name, version = parse_model_version(current)
+        try:
+            mv = tracker.model_version(name, version)
+        except Exception as exc:  # noqa: BLE001 -- MLflow raises its own types for a missing version
+            where = "" if not steps else f" (parent of {steps[-1].model_version})"
+            raise AuditError(
+                f"no registered model version {current}{where}: {str(exc).splitlines()[0] if str(exc) else exc}"
+            ) from None
+        tags = dict(mv.tags or {})
+        parent = tags.get("parent_model_version", NO_PARENT)
+        trajectory = tags.get("trajectory_version", NO_PARENT)
+        steps.append(
+            LineageStep(
+                model_version=current,
+                round=tags.get("round", "?"),
+                kind=tags.get("kind") or ("base" if parent == NO_PARENT else "round"),
+                run_id=tags.get("run_id", ""),
+                parent_model_version=parent,
+                trajectory_version=trajectory,
+                derivation=derivation_of(root, trajectory) if trajectory != NO_PARENT else [],
+                config_hash=tags.get("config_hash", ""),
+                code_version=tags.get("code_version", ""),
+                prefect_flow_run_id=tags.get("prefect_flow_run_id", ""),
+                base_model=tags.get("base_model", ""),
+                checkpoint=checkpoint_uri(mv),
+                evaluation={k.removeprefix("eval."): v for k, v in sorted(tags.items()) if k.startswith("eval.")},
+                line=tags.get(LINE_TAG, ""),
+                aliases=sorted(getattr(mv, "aliases", None) or []),
+            )
         )
-        try:
-            with _exclusive(f"{db}.open-lock"):
-                client = MlflowClient(tracking_uri=uri, registry_uri=uri)
-                client.search_experiments(max_results=1)
-        except Exception as exc:
-            raise LineageError(
-                f"the MLflow store {db} cannot be opened: {exc}; check that its directory is writable and the file "
-                "is an MLflow database, or set RLROUNDS_MLFLOW_URI to a tracking server"
-            ) from exc
-        return cls(client, artifacts)
+        current = parent
+    return steps
 
-    # -- runs -----------------------------------------------------------------------------------
 
-    def experiment_id(self, name: str) -> str:
-        exp = self.client.get_experiment_by_name(name)
-        if exp is not None:
-            return exp.experiment_id
-        try:
-            return self.client.create_experiment(name, artifact_location=f"{self.artifact_location}/{name}")
-        except Exception:  # created concurrently: read it back
-            exp = self.client.get_experiment_by_name(name)
-            if exp is None:
-                raise
-            return exp.experiment_id
+# -- presentation ---------------------------------------------------------------------------------
 
-    def find_run(self, experiment_id: str, tags: dict[str, str]) -> str | None:
-        query = " and ".join(f"tags.`{k}` = '{v}'" for k, v in tags.items())
-        runs = self.client.search_runs([experiment_id], filter_string=query, max_results=1)
-        return runs[0].info.run_id if runs else None
 
-    def ensure_run(self, experiment_id: str, name: str, tags: dict[str, str], parent: str | None = None) -> str:
-        """The run carrying ``tags``, created once; a resumed campaign gets the same run back."""
-        found = self.find_run(experiment_id, tags)
-        if found:
-            return found
-        all_tags = dict(tags)
-        if parent:
-            all_tags["mlflow.parentRunId"] = parent
-        return self.client.create_run(experiment_id, tags=all_tags, run_name=name).info.run_id
+def describe_derivation(chain: list[dict]) -> str:
+    if not chain:
+        return "none (the base policy: not trained on rlrounds trajectories)"
+    parts = []
+    for entry in chain:
+        if entry["kind"] == "missing":
+            parts.append(f"{entry['version']} (manifest not found)")
+        elif entry.get("parent"):
+            regroup = ", regrouped" if entry.get("regroup") else ""
+            parts.append(f"{entry['version']} derived where {entry.get('where')!r}{regroup}: {entry['rows']} rows")
+        else:
+            parts.append(
+                f"{entry['version']} {entry['kind']} of run {entry['run_id']} round {entry['round']}: "
+                f"{entry['rows']} rows, "
+                f"target {entry.get('target_groups')} groups, sampled by policy version {entry.get('policy_version')}"
+            )
+    return " <- ".join(parts)
 
-    def log(
-        self, run_id: str, metrics: dict[str, float] | None = None, params: dict[str, Any] | None = None, step: int = 0
-    ) -> None:
-        from mlflow.entities import Metric, Param
 
-        now = int(time.time() * 1000)
-        ms = [Metric(k, float(v), now, step) for k, v in (metrics or {}).items() if v is not None]
-        ps = [Param(k, str(v)[:6000]) for k, v in (params or {}).items()]
-        for i in range(0, max(len(ms), len(ps)), 500):
-            self.client.log_batch(run_id, metrics=ms[i : i + 500], params=ps[i : i + 500])
+def describe_evaluation(evaluation: dict[str, str]) -> str:
+    if "accuracy" not in evaluation:
+        return "not evaluated"
+    try:
+        text = f"accuracy {float(evaluation['accuracy']):.1%}"
+    except ValueError:
+        text = f"accuracy {evaluation['accuracy']}"
+    text += (
+        f" ({evaluation.get('engine', '?')} {evaluation.get('dtype', '?')}, {evaluation.get('prompts', '?')} prompts)"
+    )
+    at_train = evaluation.get("accuracy_train_precision")
+    if at_train is not None and at_train != evaluation["accuracy"]:
+        text += f"; at training precision {at_train}"
+    return text
 
-    def log_dataset(self, run_id: str, name: str, digest: str, source: str, context: str = "training") -> None:
-        from mlflow.entities import Dataset, DatasetInput, InputTag
 
-        dataset = Dataset(name=name, digest=digest, source_type="trajectory_store", source=source)
-        self.client.log_inputs(
-            run_id, datasets=[DatasetInput(dataset, tags=[InputTag("mlflow.data.context", context)])]
-        )
+def format_lineage(steps: list[LineageStep]) -> str:
+    trained = sum(1 for s in steps if s.kind != "base")
+    base = steps[-1].base_model if steps else "?"
+    lines = [f"lineage of {steps[0].model_version}: {trained} trained step(s) back to the base {base}", ""]
+    for s in steps:
+        what = "base policy" if s.kind == "base" else f"{s.kind} of run {s.run_id}"
+        lines += [
+            f"{s.model_version}  round {s.round}  ({what})",
+            f"  trajectories  {describe_derivation(s.derivation)}",
+            f"  config        {s.config_hash}    code {s.code_version}",
+            f"  prefect run   {s.prefect_flow_run_id}",
+            f"  evaluation    {describe_evaluation(s.evaluation)}",
+            f"  line          {s.line or 'not recorded'}{''.join(f'  [{a}]' for a in s.aliases)}",
+            f"  checkpoint    {s.checkpoint}",
+            f"  parent        {s.parent_model_version}",
+            "",
+        ]
+    return "\n".join(lines).rstrip() + "\n"
 
-    def log_text(self, run_id: str, text: str, artifact_file: str) -> None:
-        self.client.log_text(run_id, text, artifact_file)
 
-    def finish(self, run_id: str, status: str = "FINISHED") -> None:
-        self.client.set_terminated(run_id, status=status)
-
-    # -- registry -------------------------------------------------------------------------------
-
-    def find_model_version(self, name: str, tags: dict[str, str]) -> str | None:
-        query = " and ".join([f"name = '{name}'"] + [f"tags.`{k}` = '{v}'" for k, v in tags.items()])
-        found = self.client.search_model_versions(query, max_results=1)
-        return str(found[0].version) if found else None
-
-    def register(self, name: str, source: str, run_id: str, tags: dict[str, str]) -> str:
-        """Register a checkpoint once: the same (run_id, round) tags return the existing version."""
-        existing = self.find_model_version(name, {"run_id": tags["run_id"], "round": tags["round"]})
-        if existing:
-            return existing
-        try:
-            self.client.create_registered_model(name, description="rlrounds policy checkpoints")
-        except Exception:  # noqa: BLE001 -- already exists
-            pass
-        missing = [t for t in LINEAGE_TAGS if t not in tags]
-        if missing:
-            raise LineageError(f"refusing to register {name} without lineage tags: {', '.join(missing)}")
-        registered_source = source
-        if self.server and "://" not in source:  # see CHECKPOINT_TAG
-            registered_source = self.client.get_run(run_id).info.artifact_uri
-        mv = self.client.create_model_version(
-            name,
-            source=registered_source,
-            run_id=run_id,
-            tags={**{k: str(v) for k, v in tags.items()}, CHECKPOINT_TAG: source},
-        )
-        return str(mv.version)
-
-    def tag_model_version(self, name: str, version: str, tags: dict[str, Any]) -> None:
-        for key, value in tags.items():
-            self.client.set_model_version_tag(name, version, key, str(value))
-
-    def model_version(self, name: str, version: str) -> Any:
-        return self.client.get_model_version(name, version)
-
-    def registered_version(self, name: str, version: str, where: str = "") -> Any:
-        """``model_version``, or a LineageError naming the version (and ``where``, e.g. " in ROOT")."""
-        try:
-            return self.model_version(name, version)
-        except Exception as exc:  # MLflow raises its own error type for a missing version
-            raise LineageError(
-                f"no registered model version {name}/{version}{where}; list versions with `rlrounds lineage`"
-            ) from exc
-
-    def alias_version(self, name: str, alias: str) -> str | None:
-        try:
-            return str(self.client.get_model_version_by_alias(name, alias).version)
-        except Exception:  # noqa: BLE001 -- alias not set yet
-            return None
-
-    def set_alias(self, name: str, alias: str, version: str) -> None:
-        self.client.set_registered_model_alias(name, alias, version)
+def to_json(steps: list[LineageStep]) -> list[dict]:
+    return [asdict(s) for s in steps]

@@ -47,9 +47,9 @@ def run_decide_promotion(
 ) -> Evaluation:
     """Apply a person's decision ('approved', 'rejected' or 'timed_out') to the champion alias and
     record it on the model version (``eval.approval``, ``eval.promoted``)."""
-    from storage.lineage import Tracker, parse_model_version
     from storage.paths import StorageRoot
     from storage.settings import settings
+    from storage.tracking import Tracker, parse_model_version
     from tasks.describe import describe_version
 
     if decision not in ("approved", "rejected", "timed_out"):

@@ -20,9 +20,9 @@ BUILTIN = "builtin"  # the addition base; every built-in base is listed in model
 
 def run_prepare_base(*, storage: str, base_model: str, progress: Callable[[str], None] | None = None) -> BasePolicy:
     """The base checkpoint URI and its identity (recorded as every checkpoint's base_model tag)."""
-    from models.base_policy import build_base_policy
     from models.builtin import BUILTINS
-    from models.policy import check_policy_dir
+    from models.builtin.base_policy import build_base_policy
+    from models.checkpoint import check_policy_dir
     from storage import checkpoints
     from storage.paths import StorageRoot
 
@@ -53,9 +53,9 @@ def run_register_base(
     *, ctx: RoundContext, publish: PublishConfig, evaluate: EvaluateConfig, prompts: PromptsConfig, verify: VerifyConfig
 ) -> Published:
     """Register the base as round 0 of the campaign (parent 'none') and evaluate it once."""
-    from storage.lineage import Tracker
     from storage.paths import StorageRoot
     from storage.settings import settings
+    from storage.tracking import Tracker
 
     tracker = Tracker.connect(settings(), StorageRoot.of(ctx.storage))
     model_version = None

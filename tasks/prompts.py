@@ -14,8 +14,8 @@ from collections.abc import Iterator
 
 from pydantic import Field, field_validator, model_validator
 
-from models.addition import Prompt
 from models.builtin import BUILTIN_SOURCES
+from models.prompt import Prompt
 from tasks.config_base import Config
 
 BUILTIN = "builtin:addition"

@@ -14,7 +14,7 @@ from typing import Annotated
 
 from pydantic import field_validator
 
-from storage.lineage import LINE_TAG
+from storage.tracking import LINE_TAG
 from tasks.config_base import Config
 from tasks.context import RoundContext
 from tasks.results import NotInput, Published
@@ -133,9 +133,9 @@ def run_publish(
     import time
 
     from storage import checkpoints
-    from storage.lineage import Tracker
     from storage.paths import StorageRoot
     from storage.settings import settings
+    from storage.tracking import Tracker
     from tasks.engines import serving_engine
 
     start = time.time()

@@ -47,7 +47,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from models.engine import GeneratedSample, GroupRequest, unstarted
+from models.engines.types import GeneratedSample, GroupRequest, unstarted
 
 PARTIAL, UNVERIFIED, VERIFIED = "partial", "unverified", "verified"  # a carried sample's state
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 
-from storage.lineage import LineageError
+from storage.tracking import LineageError
 from tasks.context import RoundContext
 from tasks.evaluate import EvaluateConfig, evaluate_checkpoint, evaluation_tags
 from tasks.prompts import PromptsConfig, evaluation_prompts
@@ -114,9 +114,9 @@ def run_plan_replay(
     flow_run_id: str,
 ) -> ReplayPlan:
     """Resolve the parent model version and the trajectory version; open the replay's MLflow run."""
-    from storage.lineage import KIND_TAG, RUN_ID_TAG, Tracker, checkpoint_uri, parse_model_version
     from storage.paths import StorageRoot
     from storage.settings import settings
+    from storage.tracking import KIND_TAG, RUN_ID_TAG, Tracker, checkpoint_uri, parse_model_version
     from storage.trajectories import find_version, parent_chain, read_table
 
     root = StorageRoot.of(storage)
@@ -200,9 +200,9 @@ def run_publish_replay(
 ) -> Published:
     """Register the replayed checkpoint with its lineage; evaluate it (tags only, no champion move)."""
     from storage import checkpoints
-    from storage.lineage import Tracker
     from storage.paths import StorageRoot
     from storage.settings import settings
+    from storage.tracking import Tracker
     from tasks.describe import describe_version
 
     ctx = plan.context

@@ -26,9 +26,9 @@ def run_open_round(
     *, storage: str, experiment: str, run_id: str, round_index: int, params: dict[str, Any]
 ) -> RoundRuns:
     """The campaign's MLflow run and this round's child run (both reused when a round is resumed)."""
-    from storage.lineage import KIND_TAG, ROUND_TAG, RUN_ID_TAG, Tracker
     from storage.paths import StorageRoot
     from storage.settings import settings
+    from storage.tracking import KIND_TAG, ROUND_TAG, RUN_ID_TAG, Tracker
 
     tracker = Tracker.connect(settings(), StorageRoot.of(storage))
     exp = tracker.experiment_id(experiment)
@@ -201,9 +201,9 @@ def run_record_round(
     """Log the round's metrics and its health report (an MLflow artifact); close the round's run.
 
     Closing the run is the commit: a run already FINISHED is not logged to again."""
-    from storage.lineage import Tracker
     from storage.paths import StorageRoot
     from storage.settings import settings
+    from storage.tracking import Tracker
 
     tracker = Tracker.connect(settings(), StorageRoot.of(ctx.storage))
     report = health_report(ctx.run_id, ctx.round, stats, model_version, trajectory_version)

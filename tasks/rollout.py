@@ -25,7 +25,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from models.engine import GroupRequest, SamplingParams
+from models.engines.types import GroupRequest, SamplingParams
 from tasks.config_base import Config, Dtype
 from tasks.context import RoundContext
 from tasks.curriculum import admitted, solved_prompts
@@ -389,7 +389,7 @@ def run_rollout(
     are staged beside its rows (``Staged.carryover``) for filter to commit with its version.
     ``overlap``: start from ``overlap.start_checkpoint`` instead, while the parent is still training,
     and switch to the parent mid-way (tasks/overlap.py)."""
-    from models.policy import context_length
+    from models.checkpoint import context_length
     from storage import checkpoints
     from storage.paths import StorageRoot
     from storage.trajectories import (

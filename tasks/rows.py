@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from models.addition import Prompt
-from models.engine import GeneratedSample, GroupRequest, SamplingParams
+from models.engines.types import GeneratedSample, GroupRequest, SamplingParams
+from models.prompt import Prompt
 from tasks.ready_pool import PARTIAL, VERIFIED, Group, Slot
 from tasks.verifiers.outcome import Outcome, Verdict
 

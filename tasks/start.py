@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from storage.lineage import LineageError
+from storage.tracking import LineageError
 from tasks.results import StageResult
 
 BASE = "base"
@@ -42,9 +42,9 @@ def parse_start(ref: str) -> tuple[str, str | None, str | None]:
 
 def run_resolve_start(*, storage: str, start: str) -> StartPoint:
     """The registered version ``start`` names now (not 'base', which the flow builds instead)."""
-    from storage.lineage import Tracker
     from storage.paths import StorageRoot
     from storage.settings import settings
+    from storage.tracking import Tracker
 
     name, alias, version = parse_start(start)
     tracker = Tracker.connect(settings(), StorageRoot.of(storage), must_exist=True)

@@ -166,7 +166,7 @@ def train_policy(
     """Run the optimizer steps; returns (optimizer state dict, stats)."""
     import torch
 
-    from models.policy import completion_logprobs, pack_shared, right_padded
+    from models.logprobs import completion_logprobs, pack_shared, right_padded
 
     torch.manual_seed(config.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
@@ -175,7 +175,7 @@ def train_policy(
         for group in optimizer.param_groups:  # a new round may change the schedule
             group["lr"], group["weight_decay"] = config.learning_rate, config.weight_decay
     # each group's prompt is encoded once and shared by its samples: about half the tokens of
-    # scoring every sample's full sequence (models/policy.py, completion_logprobs)
+    # scoring every sample's full sequence (models/checkpoint.py, completion_logprobs)
     packed = [pack_shared(b.prompt_ids, b.completion_ids, pad_token_id) for b in batches]
     top_ps = [torch.tensor(b.top_p, dtype=torch.float32) for b in batches]  # [B] each
     plan = recompute if isinstance(recompute, list) else [recompute] * len(batches)
@@ -418,7 +418,7 @@ def run_train(
     recomputes logprobs at that temperature; the dtype decides whether the proximal pass is needed)."""
     import tempfile
 
-    from models.policy import load_policy, save_policy
+    from models.checkpoint import load_policy, save_policy
     from storage import checkpoints
     from storage.paths import StorageRoot
     from storage.trajectories import read_manifest, read_table

@@ -49,9 +49,9 @@ def tiny_policy_dir(tmp_path_factory) -> str:
     """A randomly initialised tiny Llama with the built-in tokenizer: fast, for engine and loss tests."""
     import torch
 
-    from models.base_policy import BaseRecipe, build_model
-    from models.policy import save_policy
-    from models.tokenizer import build_char_tokenizer
+    from models.builtin.base_policy import BaseRecipe, build_model
+    from models.builtin.tokenizer import build_char_tokenizer
+    from models.checkpoint import save_policy
 
     torch.manual_seed(0)
     tokenizer = build_char_tokenizer()

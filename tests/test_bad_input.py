@@ -138,7 +138,7 @@ def test_a_committed_checkpoint_that_lost_its_weights(tiny_policy_dir, tmp_path)
     import shutil
 
     from flows.cli import _known_input_error
-    from models.policy import PolicyLoadError, load_policy
+    from models.checkpoint import PolicyLoadError, load_policy
 
     broken = tmp_path / "checkpoint"
     shutil.copytree(tiny_policy_dir, broken)

@@ -8,8 +8,8 @@ import os
 import pytest
 
 from flows.config import CampaignConfig
-from storage.lineage import LINEAGE_TAGS
 from storage.paths import StorageRoot
+from storage.tracking import LINEAGE_TAGS
 from storage.trajectories import arrow_schema, list_manifests, read_table
 
 pytestmark = pytest.mark.slow

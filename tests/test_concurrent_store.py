@@ -14,7 +14,7 @@ import pytest
 
 OPEN_AND_WRITE = """
 import sys
-from storage.lineage import Tracker
+from storage.tracking import Tracker
 from storage.paths import StorageRoot
 from storage.settings import settings
 
@@ -49,9 +49,9 @@ def test_processes_open_a_new_store_together(tmp_path):
         assert code == 0, f"writer {i} failed:\n{err[-2000:]}"
         assert out.strip() == f"done {i}"
 
-    from storage.lineage import Tracker
     from storage.paths import StorageRoot
     from storage.settings import settings
+    from storage.tracking import Tracker
 
     tracker = Tracker.connect(settings(), StorageRoot.of(root), must_exist=True)
     names = {e.name for e in tracker.client.search_experiments()}

@@ -55,9 +55,9 @@ def test_the_draw_is_seeded_and_has_the_asked_probability():
 
 
 def test_rollout_draws_solved_prompts_less_and_records_the_weight(tiny_policy_dir):
-    from models.addition import make_prompt
-    from models.engine import EmbeddedEngine
-    from models.policy import load_policy
+    from models.builtin.addition import make_prompt
+    from models.checkpoint import load_policy
+    from models.engines.embedded import EmbeddedEngine
     from tasks.filter import FilterConfig
     from tasks.prompts import PromptsConfig
     from tasks.rollout import RolloutConfig, generate_and_verify

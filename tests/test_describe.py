@@ -80,9 +80,9 @@ def test_an_evaluated_round_version_carries_its_description(tmp_path, tiny_polic
     """run_evaluate writes the description after the tags; the registry hands it back unchanged."""
     from mlflow import MlflowClient
 
-    from storage.lineage import LINEAGE_TAGS, Tracker
     from storage.paths import StorageRoot
     from storage.settings import settings
+    from storage.tracking import LINEAGE_TAGS, Tracker
     from tasks.context import RoundContext
     from tasks.engines import drop_serving_engines
     from tasks.evaluate import EvaluateConfig, run_evaluate
@@ -135,7 +135,7 @@ def test_parse_start(ref, expected):
 
 @pytest.mark.parametrize("ref", ["rlrounds-policy", "p/three", "p@", "/3", "runs/x/rounds/3/checkpoint@a"])
 def test_parse_start_refuses_anything_else_naming_the_forms(ref):
-    from storage.lineage import LineageError
+    from storage.tracking import LineageError
     from tasks.start import parse_start
 
     with pytest.raises(LineageError, match="NAME@ALIAS"):

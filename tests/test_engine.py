@@ -4,8 +4,10 @@ and samples that do not depend on how they were batched."""
 import pytest
 import torch
 
-from models.engine import EmbeddedEngine, GroupRequest, SamplingParams
-from models.policy import load_policy, pack_sequences, token_logprobs
+from models.checkpoint import load_policy
+from models.engines.embedded import EmbeddedEngine
+from models.engines.types import GroupRequest, SamplingParams
+from models.logprobs import pack_sequences, token_logprobs
 
 PROMPTS = ["1+2=", "34+56=", "7+89=", "99+99=", "5+5="]
 
@@ -17,7 +19,7 @@ def policy(tiny_policy_dir):
 
 @pytest.fixture(params=["slots", "padded"])
 def kv(request):
-    """Every engine test runs on both KV caches (models/kv_cache.py)."""
+    """Every engine test runs on both KV caches (models/engines/kv_cache.py)."""
     return request.param
 
 
@@ -120,7 +122,7 @@ def test_top_p_keeps_only_the_nucleus(policy, kv):
 
 
 def test_sampling_follows_the_softmax():
-    from models.engine import _Sequence, sample_tokens
+    from models.engines.embedded import _Sequence, sample_tokens
 
     # 4000 independent samples from one fixed distribution: frequencies within 3 standard errors
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
@@ -179,7 +181,7 @@ def _teacher_forced(model, sample, temperature, banned: int):
 
 
 def test_stopped_samples_come_back_partial_and_resume_under_new_weights(policy, tmp_path, kv):
-    from models.policy import save_policy
+    from models.checkpoint import save_policy
 
     model, tok = policy
     params = SamplingParams(temperature=1.0, max_tokens=12, seed=9, ignore_eos=True)  # every sample runs 12 tokens
@@ -326,7 +328,7 @@ def test_slot_cache_serves_a_qwen2_model_as_transformers_does():
     """Grouped-query heads and biased q/k/v projections (Qwen2) through the slot cache."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from models.tokenizer import build_char_tokenizer
+    from models.builtin.tokenizer import build_char_tokenizer
 
     tok = build_char_tokenizer()
     torch.manual_seed(3)
@@ -349,8 +351,8 @@ def test_slot_cache_serves_a_qwen2_model_as_transformers_does():
 def test_other_architectures_fall_back_to_the_padded_cache_and_say_why_slots_do_not_apply():
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from models.kv_cache import slot_cache_applies
-    from models.tokenizer import build_char_tokenizer
+    from models.builtin.tokenizer import build_char_tokenizer
+    from models.engines.kv_cache import slot_cache_applies
 
     tok = build_char_tokenizer()
     model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=1, n_head=2, n_positions=64)).eval()
@@ -364,7 +366,7 @@ def test_other_architectures_fall_back_to_the_padded_cache_and_say_why_slots_do_
 
 
 def test_the_slot_cache_stays_within_its_memory_budget(policy):
-    from models.kv_cache import SLOT_BUDGET_BYTES, slot_bytes, slot_cache_applies
+    from models.engines.kv_cache import SLOT_BUDGET_BYTES, slot_bytes, slot_cache_applies
 
     model, _ = policy
     assert slot_cache_applies(model, 1024, 64) is None

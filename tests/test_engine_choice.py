@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from models.replicas import replica_for
-from models.vllm_engine import token_versions
+from models.engines.replicas import replica_for
+from models.engines.vllm_engine import token_versions
 from tasks.engines import Placement
 from tasks.train import needs_proximal
 

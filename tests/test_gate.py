@@ -38,9 +38,9 @@ class Judge:
 def registry(tmp_path, tiny_policy_dir, monkeypatch):
     """A storage root with an MLflow registry, a round run, and a function registering round k's
     checkpoint (the tiny policy) as a model version."""
-    from storage.lineage import Tracker
     from storage.paths import StorageRoot
     from storage.settings import settings
+    from storage.tracking import Tracker
     from tasks.engines import drop_serving_engines
     from tasks.publish import lineage_tags
     from tasks.verifiers import registry as verifiers
@@ -196,7 +196,7 @@ def test_rlrounds_eval_and_replay_never_move_the_alias(registry):
 
 
 def test_a_champion_of_another_line_is_never_compared_with(registry):
-    from storage.lineage import LineageError
+    from storage.tracking import LineageError
 
     v1, v2 = registry["register"](0, line="addition"), registry["register"](1, line="addition-heldout-1a2b3c4d")
     _evaluate(registry, 0, "wrong", v1)

@@ -1,10 +1,10 @@
-"""The embedded engine's KV caches (models/kv_cache.py) side by side: the slot cache against transformers'
+"""The embedded engine's KV caches (models/engines/kv_cache.py) side by side: the slot cache against transformers'
 own, attention cut into runs against one pass, rows sorted at refill, prefills in chunks of similar length."""
 
 import pytest
 import torch
 
-from models.policy import load_policy
+from models.checkpoint import load_policy
 
 PROMPTS = ["1+2=", "34+56=", "7+89=", "99+99=", "5+5="]
 
@@ -13,7 +13,7 @@ PROMPTS = ["1+2=", "34+56=", "7+89=", "99+99=", "5+5="]
 def test_slot_and_padded_caches_give_the_same_logits_at_each_precision(tiny_policy_dir, dtype, tolerance):
     """The caches side by side: one prefill of inputs of different lengths, then decode steps with rows
     leaving between them. In bfloat16 they agree to its rounding."""
-    from models.kv_cache import PaddedCache, SlotCache, distinct_inputs
+    from models.engines.kv_cache import PaddedCache, SlotCache, distinct_inputs
 
     model, tok = load_policy(tiny_policy_dir, dtype="bfloat16" if dtype == torch.bfloat16 else "float32")
     inputs, owner = distinct_inputs([tuple(tok(p)["input_ids"]) for p in PROMPTS for _ in range(2)])
@@ -33,8 +33,8 @@ def test_slot_and_padded_caches_give_the_same_logits_at_each_precision(tiny_poli
 
 
 def test_attention_runs_give_long_rows_their_own_run_and_cut_only_where_it_saves(monkeypatch):
-    from models import kv_cache
-    from models.kv_cache import ATTEND_BLOCK_ROWS, attention_runs
+    from models.engines import kv_cache
+    from models.engines.kv_cache import ATTEND_BLOCK_ROWS, attention_runs
 
     block = ATTEND_BLOCK_ROWS
     tail = torch.tensor([100] * block + [4] * (5 * block))  # run-ons at their 101st key, the rest at the 5th
@@ -57,8 +57,8 @@ def test_rows_attending_in_runs_get_the_logits_of_one_pass(tiny_policy_dir, monk
     """A batch of a few long rows and many short ones (a long tail), longest first as the engine admits
     them: the slot cache's attention in runs gives what one pass over every row's whole span gives, and
     what transformers' cache gives, also after rows leave and the last rows fill their slots."""
-    from models import kv_cache
-    from models.kv_cache import PaddedCache, SlotCache, attention_runs, distinct_inputs
+    from models.engines import kv_cache
+    from models.engines.kv_cache import PaddedCache, SlotCache, attention_runs, distinct_inputs
 
     model, tok = load_policy(tiny_policy_dir)
     prompt = tuple(tok(PROMPTS[1])["input_ids"])
@@ -90,8 +90,8 @@ def test_rows_attending_in_runs_get_the_logits_of_one_pass(tiny_policy_dir, monk
 def test_rows_sorted_longest_first_keep_their_keys_and_logits(tiny_policy_dir, monkeypatch):
     """Rows out of order (short ones took the slots of long ones): ``sort_rows`` moves them longest first
     where the keys saved pay for the copy, and every row decodes on as it would have unmoved."""
-    from models import kv_cache
-    from models.kv_cache import PaddedCache, SlotCache, attention_runs, distinct_inputs, run_keys
+    from models.engines import kv_cache
+    from models.engines.kv_cache import PaddedCache, SlotCache, attention_runs, distinct_inputs, run_keys
 
     model, tok = load_policy(tiny_policy_dir)
     prompt = tuple(tok(PROMPTS[1])["input_ids"])
@@ -120,9 +120,9 @@ def test_inputs_of_many_lengths_prefill_in_chunks_with_the_logits_of_one_padded_
     """Resumed samples join with prefixes of every length: the slot cache prefills them in chunks of
     similar length, each row's keys and values land in its own slot (the decode steps after agree), and
     the logits are those of one prefill padded to the longest, and transformers' cache's."""
-    from models import kv_cache
-    from models.kv_cache import PaddedCache, SlotCache, distinct_inputs
-    from models.policy import length_chunks
+    from models.engines import kv_cache
+    from models.engines.kv_cache import PaddedCache, SlotCache, distinct_inputs
+    from models.logprobs import length_chunks
 
     model, tok = load_policy(tiny_policy_dir)
     prompt = tuple(tok(PROMPTS[0])["input_ids"])

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from flows.cli import main
-from models.base_policy import RECIPE_VERSION
+from models.builtin.base_policy import RECIPE_VERSION
 
 pytestmark = pytest.mark.slow
 

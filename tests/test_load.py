@@ -19,7 +19,7 @@ import uuid
 
 import pytest
 
-from storage.lineage import LINE_TAG, LINEAGE_TAGS
+from storage.tracking import LINE_TAG, LINEAGE_TAGS
 
 # slow too, so that `-m "not slow"` (which replaces the default `-m "not load"`) leaves it out as well
 pytestmark = [pytest.mark.load, pytest.mark.slow]
@@ -117,8 +117,8 @@ def run_load(storage: str, home, seed_builtin_base) -> dict:
 
 
 def check_load(load: dict) -> None:
-    from storage.lineage import Tracker
     from storage.settings import settings
+    from storage.tracking import Tracker
     from storage.trajectories import list_manifests, read_table
 
     root, campaigns = load["root"], load["campaigns"]

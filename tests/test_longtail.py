@@ -5,7 +5,7 @@ import statistics
 
 import pytest
 
-from models import addition, longtail
+from models.builtin import addition, longtail
 from tasks.verifiers.config import VerifyConfig
 from tasks.verifiers.outcome import Outcome, Verdict, VerifierInfraError
 from tasks.verifiers.pool import VerifierPool, run_verifier
@@ -51,7 +51,7 @@ def test_answer_lengths_have_a_tail():
 
 
 def test_base_examples_count_down_further_than_the_task_and_are_never_held_out():
-    """The base recipe's examples are the task's prompts with longer spans more often (models/longtail.py)."""
+    """The base recipe's examples are the task's prompts with longer spans more often (models/builtin/longtail.py)."""
 
     def counted(prompts):  # share that count past the first number: span 2 and up
         return sum(p.reference.count(",") > 1 for p in prompts) / len(prompts)
@@ -236,9 +236,10 @@ def test_teacher_forced_accuracy_is_greedy_exact_match():
     all pass, and a one-character change (or a missing end) fails each of them."""
     import torch
 
-    from models.base_policy import BaseRecipe, build_model, teacher_forced_accuracy
-    from models.engine import EmbeddedEngine, GroupRequest, SamplingParams
-    from models.tokenizer import build_char_tokenizer
+    from models.builtin.base_policy import BaseRecipe, build_model, teacher_forced_accuracy
+    from models.builtin.tokenizer import build_char_tokenizer
+    from models.engines.embedded import EmbeddedEngine
+    from models.engines.types import GroupRequest, SamplingParams
 
     torch.manual_seed(0)
     tokenizer = build_char_tokenizer(longtail.CHARACTERS)

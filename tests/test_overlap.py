@@ -7,8 +7,10 @@ import os
 import pytest
 import torch
 
-from models.engine import EmbeddedEngine, GroupRequest, SamplingParams
-from models.policy import load_policy, logprobs_by_version, save_policy
+from models.checkpoint import load_policy, save_policy
+from models.engines.embedded import EmbeddedEngine
+from models.engines.types import GroupRequest, SamplingParams
+from models.logprobs import logprobs_by_version
 from tasks.overlap import UpdateAtStep
 from tests.test_resume import (  # noqa: F401 -- weak_base is a fixture
     TIMING_COLUMNS,

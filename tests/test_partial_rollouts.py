@@ -11,8 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from models.engine import EmbeddedEngine
-from models.policy import load_policy, save_policy
+from models.checkpoint import load_policy, save_policy
+from models.engines.embedded import EmbeddedEngine
 from storage.trajectories import carry_table, rows_to_table, table_bytes
 from tasks.filter import FilterConfig
 from tasks.prompts import PromptsConfig

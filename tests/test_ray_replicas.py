@@ -14,7 +14,8 @@ pytestmark = pytest.mark.ray
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]')")
 
-from models.engine import EmbeddedEngine, GroupRequest, SamplingParams  # noqa: E402
+from models.engines.embedded import EmbeddedEngine  # noqa: E402
+from models.engines.types import GroupRequest, SamplingParams  # noqa: E402
 from tasks.engines import Placement, build_engine  # noqa: E402
 
 PROMPTS = ["1+2=", "34+56=", "7+89=", "99+99=", "5+5=", "12+21=", "8+0=", "40+4="]
@@ -67,7 +68,7 @@ def test_replicas_give_the_samples_one_engine_gives(router, tiny_policy_dir):
 
 
 def test_groups_of_one_prompt_stay_on_one_replica(router):
-    from models.replicas import replica_for
+    from models.engines.replicas import replica_for
 
     engine, tok = router
     prompts = PROMPTS * 3  # each prompt three times, as three groups
@@ -102,7 +103,7 @@ def test_the_router_stops_pulling_when_the_caller_stops_feeding(router):
 def test_weights_reach_every_replica_in_place(router, tiny_policy_dir, tmp_path):
     import torch
 
-    from models.policy import load_policy, save_policy
+    from models.checkpoint import load_policy, save_policy
 
     engine, tok = router
     model, _ = load_policy(tiny_policy_dir)
@@ -155,7 +156,7 @@ def campaign(prefect_harness, seed_builtin_base, tmp_path_factory):
 
 
 def test_a_round_on_two_replicas_completes_every_group_with_the_usual_rows(campaign):
-    from models.replicas import ReplicaRouter
+    from models.engines.replicas import ReplicaRouter
     from storage.paths import StorageRoot
     from storage.trajectories import arrow_schema, list_manifests, read_table
     from tasks.rollout import RolloutConfig

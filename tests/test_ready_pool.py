@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from models.engine import ABORT, GeneratedSample, GroupRequest, SamplingParams, unstarted
+from models.engines.types import ABORT, GeneratedSample, GroupRequest, SamplingParams, unstarted
 from tasks.ready_pool import PARTIAL, UNVERIFIED, VERIFIED, Group, PoolLimits, ReadyPool
 
 

@@ -8,15 +8,15 @@ import pytest
 
 from flows.cli import main
 from flows.config import CampaignConfig
-from storage.lineage import LINEAGE_TAGS
 from storage.paths import StorageRoot
 from storage.settings import settings
+from storage.tracking import LINEAGE_TAGS
 
 pytestmark = pytest.mark.slow
 
 
 def _tracker(storage):
-    from storage.lineage import Tracker
+    from storage.tracking import Tracker
 
     return Tracker.connect(settings(), StorageRoot.of(storage))
 

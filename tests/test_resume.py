@@ -251,7 +251,7 @@ TIMING_COLUMNS = {
 @pytest.fixture(scope="module")
 def weak_base(tmp_path_factory):
     """A small policy trained briefly (~15 s): weak (a few % accurate) but enough for mixed groups."""
-    from models.base_policy import BaseRecipe, build_base_policy
+    from models.builtin.base_policy import BaseRecipe, build_base_policy
 
     path = str(tmp_path_factory.mktemp("weak-base"))
     recipe = BaseRecipe(
@@ -274,7 +274,7 @@ def weak_base(tmp_path_factory):
 def _one_thread() -> dict:
     from dataclasses import fields
 
-    from models.base_policy import BaseRecipe
+    from models.builtin.base_policy import BaseRecipe
 
     return {"threads": 1} if "threads" in {f.name for f in fields(BaseRecipe)} else {}
 

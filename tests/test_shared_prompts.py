@@ -11,7 +11,7 @@ import pytest
 
 
 def test_right_padded_places_each_rows_values_first():
-    from models.policy import right_padded
+    from models.logprobs import right_padded
 
     out = right_padded([[1.5, 2.5], [], [3.0]], 3, fill=-1.0)
     assert out.tolist() == [[1.5, 2.5, -1.0], [-1.0, -1.0, -1.0], [3.0, -1.0, -1.0]]
@@ -20,7 +20,7 @@ def test_right_padded_places_each_rows_values_first():
 
 
 def test_pack_shared_keeps_one_row_per_distinct_prompt():
-    from models.policy import pack_shared
+    from models.logprobs import pack_shared
 
     prompts = [[1, 7, 8], [1, 7, 8], [1, 9], [1, 7, 8]]
     completions = [[3], [4, 5], [6, 2, 2], []]
@@ -35,7 +35,7 @@ def test_pack_shared_keeps_one_row_per_distinct_prompt():
 def test_length_chunks_split_off_long_rows_only_when_padding_them_costs_more_than_the_budget():
     import torch
 
-    from models.policy import length_chunks
+    from models.logprobs import length_chunks
 
     lengths = torch.tensor([4, 3, 8, 3, 4, 3, 1])
     chunks = length_chunks(lengths, padding_budget=2)
@@ -52,7 +52,8 @@ def test_length_chunks_split_off_long_rows_only_when_padding_them_costs_more_tha
 def test_shared_scoring_matches_full_sequences(tiny_policy_dir, temperature, top_p, padding_budget):
     import torch
 
-    from models.policy import completion_logprobs, load_policy, pack_sequences, pack_shared, token_logprobs
+    from models.checkpoint import load_policy
+    from models.logprobs import completion_logprobs, pack_sequences, pack_shared, token_logprobs
 
     model, tokenizer = load_policy(tiny_policy_dir)
     torch.manual_seed(1)

@@ -13,9 +13,9 @@ ROUND = {"train": {"groups_per_step": 2, "steps_per_round": 2}, "publish": {"mod
 def test_a_campaign_from_a_registered_version_chains_its_rounds(prefect_harness, seed_builtin_base, tmp_path):
     from flows.config import RoundConfig
     from flows.start import rl_round_from
-    from storage.lineage import Tracker
     from storage.paths import StorageRoot
     from storage.settings import settings
+    from storage.tracking import Tracker
 
     storage = str(tmp_path / "data")
     seed_builtin_base(storage)

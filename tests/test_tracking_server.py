@@ -13,7 +13,7 @@ import urllib.request
 
 import pytest
 
-from storage.lineage import CHECKPOINT_TAG, LINE_TAG, LINEAGE_TAGS
+from storage.tracking import CHECKPOINT_TAG, LINE_TAG, LINEAGE_TAGS
 
 pytestmark = pytest.mark.slow
 
@@ -91,9 +91,9 @@ def test_a_campaign_registers_through_the_tracking_server(
     from flows.campaign import rl_campaign
     from flows.cli import main
     from flows.config import CampaignConfig
-    from storage.lineage import Tracker
     from storage.paths import StorageRoot
     from storage.settings import settings
+    from storage.tracking import Tracker
 
     storage = str(tmp_path / "data")
     seed_builtin_base(storage)

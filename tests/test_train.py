@@ -99,7 +99,7 @@ def _perturbed_round(storage, base_dir) -> str:
 
     import torch
 
-    from models.policy import load_policy, save_policy
+    from models.checkpoint import load_policy, save_policy
     from storage import checkpoints
     from storage.paths import StorageRoot
 
@@ -117,7 +117,7 @@ def _perturbed_round(storage, base_dir) -> str:
 
 
 def _weights(checkpoint):
-    from models.policy import load_state_dict
+    from models.checkpoint import load_state_dict
 
     return load_state_dict(checkpoint)
 
@@ -156,8 +156,8 @@ def dropout_policy_dir(tmp_path_factory) -> str:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from models.policy import save_policy
-    from models.tokenizer import build_char_tokenizer
+    from models.builtin.tokenizer import build_char_tokenizer
+    from models.checkpoint import save_policy
 
     torch.manual_seed(0)
     tokenizer = build_char_tokenizer()
@@ -228,7 +228,7 @@ def test_when_the_proximal_pass_runs(setting, dtype, engine, top_p, expected):
 def test_a_token_outside_the_current_nucleus_keeps_a_finite_logprob():
     import torch
 
-    from models.policy import TokenBatch, token_logprobs
+    from models.logprobs import TokenBatch, token_logprobs
 
     class Fixed(torch.nn.Module):  # logits that put 0.95 on token 0: the 0.9-nucleus is {0}
         def forward(self, input_ids, attention_mask, position_ids):
@@ -250,7 +250,8 @@ def test_a_token_outside_the_current_nucleus_keeps_a_finite_logprob():
 def test_mismatch_is_measured_on_every_minibatch(tiny_policy_dir, recompute):
     import torch
 
-    from models.policy import load_policy, pack_sequences, token_logprobs
+    from models.checkpoint import load_policy
+    from models.logprobs import pack_sequences, token_logprobs
     from tasks.train import TrainBatch, TrainConfig, train_policy
 
     model, tokenizer = load_policy(tiny_policy_dir)
@@ -289,7 +290,7 @@ def test_epochs_repeat_the_rounds_minibatches_in_order(tiny_policy_dir, recomput
 
     import torch
 
-    from models.policy import load_policy
+    from models.checkpoint import load_policy
     from tasks.train import TrainBatch, TrainConfig, train_policy
 
     model, tokenizer = load_policy(tiny_policy_dir)
@@ -316,7 +317,8 @@ def test_updates_stop_once_the_policy_drifts_past_max_kl(tiny_policy_dir):
 
     import torch
 
-    from models.policy import completion_logprobs, load_policy, pack_shared
+    from models.checkpoint import load_policy
+    from models.logprobs import completion_logprobs, pack_shared
     from tasks.train import TrainBatch, TrainConfig, train_policy
 
     model, tokenizer = load_policy(tiny_policy_dir)
@@ -376,7 +378,7 @@ def test_freshness_figures_by_hand():
 def test_tokens_of_older_versions_are_measured_as_lag(tiny_policy_dir):
     import torch
 
-    from models.policy import load_policy
+    from models.checkpoint import load_policy
     from tasks.train import TrainBatch, TrainConfig, train_policy
 
     model, tokenizer = load_policy(tiny_policy_dir)

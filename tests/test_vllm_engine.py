@@ -19,8 +19,10 @@ pytest.importorskip("vllm", reason="vLLM is not installed (CPU: pip install vllm
 
 import torch  # noqa: E402
 
-from models.engine import EmbeddedEngine, GroupRequest, SamplingParams  # noqa: E402
-from models.policy import load_policy, pack_sequences, token_logprobs  # noqa: E402
+from models.checkpoint import load_policy  # noqa: E402
+from models.engines.embedded import EmbeddedEngine  # noqa: E402
+from models.engines.types import GroupRequest, SamplingParams  # noqa: E402
+from models.logprobs import pack_sequences, token_logprobs  # noqa: E402
 
 PROMPTS = ["1+2=", "34+56=", "7+89=", "99+99=", "5+5="]
 MODEL = "it-vllm"
@@ -164,7 +166,7 @@ def test_stopping_the_feed_aborts_in_flight_samples_and_the_engine_serves_on(ser
 
 
 def test_weights_are_replaced_in_place_and_samples_record_the_new_version(served, storage, tmp_path):
-    from models.policy import save_policy
+    from models.checkpoint import save_policy
     from tasks.engines import serving_engine
 
     engine, tok = served
@@ -194,7 +196,7 @@ def test_weights_are_replaced_in_place_and_samples_record_the_new_version(served
 
 
 def test_stopped_requests_come_back_partial_and_resume_under_new_weights(served, storage, tmp_path):
-    from models.policy import save_policy
+    from models.checkpoint import save_policy
     from tasks.engines import serving_engine
 
     engine, tok = served
@@ -253,7 +255,8 @@ def test_stopped_requests_come_back_partial_and_resume_under_new_weights(served,
 def test_weights_updated_mid_generation_label_every_token_with_its_version(served, storage, tmp_path, update_kv):
     """Overlap mode on vLLM: new weights between two steps. 'recompute' re-admits the requests in flight
     as prompt + prefix, so every token's logprob is its own version's; 'keep' reloads under them."""
-    from models.policy import logprobs_by_version, save_policy
+    from models.checkpoint import save_policy
+    from models.logprobs import logprobs_by_version
     from tasks.engines import serving_engine
     from tasks.overlap import UpdateAtStep
 

@@ -1,4 +1,4 @@
-"""The long-tail task's verifier: the counted-down list, exactly (``models.longtail``).
+"""The long-tail task's verifier: the counted-down list, exactly (``models.builtin.longtail``).
 
 A pure function of (completion, reference). A completion that stops early, skips a number or runs on
 past the last one is the model's failure; a reference that is not a comma-separated count-down is

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from types import ModuleType
 
-from models import addition, longtail
-from models.recipe import RECIPE_VERSION, BaseRecipe
-from models.tokenizer import CHARACTERS
+from models.builtin import addition, longtail
+from models.builtin.recipe import RECIPE_VERSION, BaseRecipe
+from models.builtin.tokenizer import CHARACTERS
 
 
 @dataclass(frozen=True)

@@ -1,127 +1,17 @@
-"""Policy loading and saving: any Hugging Face causal-LM directory, plus token log-probabilities.
+"""Token log-probabilities of completions under a policy: the trainer's scoring and the engines' shared rules.
 
-A checkpoint directory is plain Hugging Face format (config.json, tokenizer files, safetensors)
-plus ``lineage.json`` (where it came from) and ``optimizer.pt`` (so training resumes exactly).
-Directories here are local; storage/ copies them to and from remote roots.
+Pure tensor math over a loaded model (``models.checkpoint`` loads one): sequences packed for one
+forward pass, logprobs of each completion token at a given temperature and top-p, and the nucleus
+rule the embedded engine samples with.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
-
-WEIGHTS_FILE = "model.safetensors"
-REQUIRED_FILES = ("config.json", "tokenizer_config.json")
-
-_DTYPES = {
-    "float32": "float32",
-    "fp32": "float32",
-    "bfloat16": "bfloat16",
-    "bf16": "bfloat16",
-    "float16": "float16",
-    "fp16": "float16",
-}
-
-
-class PolicyLoadError(ValueError):
-    pass
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    import torch
-
-    try:
-        return getattr(torch, _DTYPES[name])
-    except KeyError:
-        raise PolicyLoadError(f"unknown dtype {name!r}; use one of float32, bfloat16, float16") from None
-
-
-def set_threads(count: int) -> int:
-    """Have torch use ``count`` threads (at least 1); returns the count it used before.
-
-    ``torch.set_num_threads`` is called only when the count changes: the call, even with the count
-    already in use, leaves the process's OpenMP threads waking each other by system call at every
-    parallel op from then on (a round's training spent 1 s of system time instead of 0.1 s and ran
-    about 1.3x slower; ``benchmarks/train_step.py`` measures it)."""
-    import torch
-
-    previous, count = torch.get_num_threads(), max(1, count)
-    if count != previous:
-        torch.set_num_threads(count)
-    return previous
-
-
-def check_policy_dir(path: str) -> None:
-    """Fail with one line naming what is missing, before any heavy import."""
-    if not os.path.isdir(path):
-        raise PolicyLoadError(
-            f"policy directory {path} does not exist; set policy.base_model to a Hugging Face causal-LM directory or "
-            "'builtin'"
-        )
-    missing = [f for f in REQUIRED_FILES if not os.path.exists(os.path.join(path, f))]
-    if not any(f.endswith((".safetensors", ".bin")) for f in os.listdir(path)):
-        missing.append("model weights (*.safetensors)")
-    if missing:
-        raise PolicyLoadError(
-            f"policy directory {path} is missing {', '.join(missing)}; point to a complete Hugging Face checkpoint"
-        )
-
-
-_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
-
-
-def context_length(path: str) -> int | None:
-    """Positions the model can attend over, from its config.json (None when the config does not say).
-
-    Read as JSON, without transformers, so input checks stay cheap; text models nested in a
-    multimodal config keep theirs under ``text_config``."""
-    import json
-
-    try:
-        with open(os.path.join(path, "config.json")) as f:
-            config = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise PolicyLoadError(
-            f"policy directory {path}: config.json is unreadable ({exc}); point to a complete Hugging Face checkpoint"
-        ) from None
-    for scope in (config, config.get("text_config") or {}):
-        for key in _CONTEXT_KEYS:
-            if isinstance(scope.get(key), int) and scope[key] > 0:
-                return scope[key]
-    return None
-
-
-def load_policy(path: str, dtype: str = "float32") -> tuple[Any, Any]:
-    """(model, tokenizer) from a Hugging Face causal-LM directory, in eval mode on CPU."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # per-load bars drown the round's own progress
-    check_policy_dir(path)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    if tokenizer.pad_token_id is None:  # many causal LMs ship without one; eos is the usual stand-in
-        tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype))
-    return model.eval(), tokenizer
-
-
-def load_state_dict(path: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(os.path.join(path, WEIGHTS_FILE))
-
-
-def save_policy(model: Any, tokenizer: Any, path: str) -> None:
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    os.makedirs(path, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True)
-    tokenizer.save_pretrained(path)
 
 
 @dataclass
@@ -160,7 +50,7 @@ def nucleus_drop(scaled: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
 
     scaled: [..., V] temperature-scaled logits; top_ps: [..., 1], broadcast against them. The nucleus
     is the smallest set of most likely tokens whose probability reaches top_p. The embedded engine
-    samples from it (models/engine.py) and the trainer scores under it (``token_logprobs``), so both
+    samples from it (models/engines/embedded.py) and the trainer scores under it (``token_logprobs``), so both
     sides renormalise over the same set.
     """
     import torch

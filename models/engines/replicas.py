@@ -30,7 +30,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from models.engine import EngineInfo, GeneratedSample, GroupRequest, unstarted
+from models.engines.types import EngineInfo, GeneratedSample, GroupRequest, unstarted
 
 FLUSH_SAMPLES = 64  # a replica sends finished samples back in batches of at most this many ...
 FLUSH_SECONDS = 0.05  # ... or after this long, whichever comes first
@@ -43,7 +43,7 @@ class EngineReplica:
     """The actor body: one engine, driven by the router. Wrapped with ``ray.remote`` at start."""
 
     def __init__(self, build: Callable[[], Any], threads: int):
-        from models.policy import set_threads
+        from models.checkpoint import set_threads
 
         set_threads(threads)  # Ray's OMP_NUM_THREADS already gives an actor its CPUs: usually nothing to do
         self.engine = build()

@@ -2,7 +2,7 @@
 
 A deterministic recipe (fixed seeds, fixed thread count, fixed data order) so that every machine
 builds the same starting point, and RL has headroom: the recipe stops at roughly 40% greedy held-out
-accuracy. Which task and recipe: ``models.builtin``. ``python -m models.base_policy OUT_DIR [BASE]``
+accuracy. Which task and recipe: ``models.builtin``. ``python -m models.builtin.base_policy OUT_DIR [BASE]``
 builds one by hand (BASE: 'builtin', the default, or 'builtin-longtail').
 """
 
@@ -16,9 +16,11 @@ import time
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
-from models.recipe import RECIPE_VERSION as RECIPE_VERSION  # re-exported: the addition base's cache name uses it
-from models.recipe import BaseRecipe
-from models.tokenizer import build_char_tokenizer
+from models.builtin.recipe import (
+    RECIPE_VERSION as RECIPE_VERSION,  # re-exported: the addition base's cache name uses it
+)
+from models.builtin.recipe import BaseRecipe
+from models.builtin.tokenizer import build_char_tokenizer
 
 if TYPE_CHECKING:
     from models.builtin import BuiltinTask
@@ -49,7 +51,7 @@ def build_base_policy(
     """Train the base policy of ``task`` (default: addition) into ``out_dir`` (local), with its own recipe
     unless ``recipe`` is given. Returns its metadata (with held-out accuracy)."""
     from models.builtin import BUILTINS
-    from models.policy import set_threads
+    from models.checkpoint import set_threads
 
     task = task or BUILTINS["builtin"]
     recipe = recipe or task.recipe
@@ -64,8 +66,8 @@ def build_base_policy(
 def _build(out_dir: str, recipe: BaseRecipe, progress, start: float, task: BuiltinTask) -> dict:
     import torch
 
-    from models.engine import EmbeddedEngine
-    from models.policy import save_policy
+    from models.checkpoint import save_policy
+    from models.engines.embedded import EmbeddedEngine
 
     torch.manual_seed(recipe.seed)
     tokenizer = build_char_tokenizer(task.characters)
@@ -137,7 +139,7 @@ def _by_length(prompts: list, buckets: int) -> list[list]:
 
 
 def _answer_batch(tokenizer, prompts):
-    from models.policy import pack_sequences
+    from models.logprobs import pack_sequences
 
     enc_prompts = [tokenizer(p.text)["input_ids"] for p in prompts]
     enc_answers = [
@@ -171,7 +173,7 @@ def teacher_forced_accuracy(model, tokenizer, prompts, buckets: int = 1) -> floa
 
 def greedy_accuracy(engine, tokenizer, prompts, max_tokens: int = 8) -> float:
     """Greedy exact-match accuracy of ``engine`` on ``prompts`` (the built-in verifiers' rule)."""
-    from models.engine import greedy_completions
+    from models.engines.types import greedy_completions
 
     correct = sum(
         text.strip() == prompt.reference

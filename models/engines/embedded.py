@@ -1,180 +1,33 @@
-"""Rollout engines: groups of (prompt x n samples) in, finished samples out as they finish.
-
-The interface is what the rollout stage, the vLLM engine and Ray replicas share:
-
-    engine.generate(groups, should_stop, update) -> Iterator[GeneratedSample]   # in finish order
-    engine.load_weights(checkpoint_dir, policy_version)                         # in place, no restart
+"""The embedded engine: any Hugging Face causal LM sampled with torch in this process.
 
 ``EmbeddedEngine`` runs any Hugging Face causal LM with torch on the current process: a KV-cached
 decode loop that removes a sequence from the batch the moment it finishes (so the long tail does
 not keep finished rows computing) and admits waiting sequences into the freed slots. Its KV cache
-(models/kv_cache.py) is a preallocated slot per sequence for Llama-family models, transformers' own
+(models/engines/kv_cache.py) is a preallocated slot per sequence for Llama-family models, transformers' own
 cache for any other.
 
-Partial rollouts. ``should_stop`` is polled once per decode step; when it answers True the engine
-stops pulling groups and yields every sample it still holds as a *partial* sample
-(``finish_reason='abort'``): its generated prefix with each token's behaviour logprob and policy
-version (an empty prefix for a sample never admitted). A later call continues it: a ``GroupRequest``
-whose ``resume`` holds partial samples generates only those, from prompt + prefix, and the tokens it
-appends carry the policy version served then. A stopped sample's KV cache is dropped, not kept: on
-resume the prompt + prefix is prefilled again (one parallel forward pass, far cheaper than the
-decode steps that produced the prefix), and the weights have usually changed by then anyway, which
-makes the old cache stale. Sampling noise is a function of (sample seed, token position, vocabulary
-index), so a resumed sample draws the same noise at each position it would have drawn uninterrupted.
-
-Weight updates in flight (overlap mode). ``update`` (a ``WeightUpdate``) is asked before every decode
-step whether the next policy is due, given how many samples this call has finished; when it is, the
-engine waits for the checkpoint (``take``), loads it between two decode steps and goes on: tokens
-sampled after that carry the new version, so a sample in flight spans both. What happens to the
-sequences in flight is ``update_kv``:
-
-    recompute  (default) their prompt + prefix is prefilled again under the new weights, in one
-               parallel pass, so every later token's logprob is exactly the new policy's
-    keep       their KV cache, computed by the old weights, is kept; later tokens are sampled from a
-               mixture the trainer cannot reproduce under either version (a measured mismatch,
-               benchmarks/weight_update.py)
-
-The point is a count of finished samples, not a time, so a round's rows do not depend on how fast
-the trainer was: the engine waits there for the weights if they are late.
+It implements the interface of ``models.engines.types`` (partial rollouts, weight updates in flight).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Literal
+
+from models.engines.types import (
+    ABORT,
+    EngineInfo,
+    GeneratedSample,
+    GroupRequest,
+    UpdateKV,
+    WeightUpdate,
+    sample_seed,
+)
 
 if TYPE_CHECKING:
     import torch
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_tokens: int = 8
-    seed: int = 0
-    ignore_eos: bool = False  # benchmarks only: generate exactly max_tokens
-
-    def as_dict(self) -> dict:
-        return {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed, "max_tokens": self.max_tokens}
-
-
-@dataclass
-class GeneratedSample:
-    group_id: str
-    sample_index: int
-    prompt_token_ids: tuple[int, ...]
-    token_ids: list[int]
-    logprobs: list[float]  # behaviour logprobs of the sampled tokens under the sampling distribution
-    token_policy_versions: list[int]
-    finish_reason: str  # stop | length | abort (abort: stopped unfinished; token_ids is the prefix to resume)
-    started_at: float  # time.time() when its first prefill began (the first segment, if it was resumed)
-    finished_at: float  # when it finished, or was stopped
-    gen_s: float = 0.0  # seconds spent generating, summed over its segments (excludes time parked between them)
-
-    @property
-    def partial(self) -> bool:
-        return self.finish_reason == ABORT
-
-
-ABORT = "abort"
-
-
-@dataclass(frozen=True)
-class GroupRequest:
-    """One prompt to be sampled ``n`` times; the unit the router keeps on one replica.
-
-    ``resume``: partial samples of this group to continue (each with ``finish_reason='abort'``); when
-    given, only these samples are generated, each from prompt + its prefix, up to ``max_tokens`` in all."""
-
-    group_id: str
-    prompt_token_ids: tuple[int, ...]
-    n: int
-    sampling: SamplingParams
-    resume: tuple[GeneratedSample, ...] = ()
-
-    def check(self) -> None:
-        if self.n < 1 or self.sampling.max_tokens < 1:
-            raise ValueError(f"group {self.group_id}: n and max_tokens must be >= 1")
-        for p in self.resume:
-            if p.group_id != self.group_id or not p.partial or not 0 <= p.sample_index < self.n:
-                raise ValueError(
-                    f"group {self.group_id}: resume holds sample {p.group_id}/{p.sample_index} "
-                    f"({p.finish_reason}); only this group's partial samples (finish_reason 'abort') resume"
-                )
-            if len(p.token_ids) >= self.sampling.max_tokens:
-                raise ValueError(
-                    f"group {self.group_id}: partial sample {p.sample_index} already has max_tokens tokens"
-                )
-
-    def sample_indices(self) -> list[int]:
-        return [p.sample_index for p in self.resume] if self.resume else list(range(self.n))
-
-    def prefix(self, sample_index: int) -> GeneratedSample | None:
-        return next((p for p in self.resume if p.sample_index == sample_index), None)
-
-
-def unstarted(group: GroupRequest, sample_index: int, now: float) -> GeneratedSample:
-    """The partial sample of one that was never admitted: an empty prefix (or its carried one)."""
-    carried = group.prefix(sample_index)
-    if carried is not None:
-        return carried
-    return GeneratedSample(group.group_id, sample_index, group.prompt_token_ids, [], [], [], ABORT, now, now, 0.0)
-
-
-class WeightUpdate(Protocol):
-    """The next policy, handed to an engine while it generates (see the module doc)."""
-
-    def due(self, finished: int) -> bool:
-        """Polled before each decode step with the samples this call has finished: load it now?"""
-        ...
-
-    def take(self) -> tuple[str, int]:
-        """(local checkpoint directory, policy version); blocks until the checkpoint is committed."""
-        ...
-
-    def applied(self, pause_s: float) -> None:
-        """The engine served the new weights after pausing ``pause_s`` seconds (load + recompute)."""
-        ...
-
-
-UpdateKV = Literal["recompute", "keep"]
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    name: str
-    version: str
-    dtype: str
-
-
-def greedy_completions(
-    engine: Any, tokenizer: Any, prompts: Sequence[Any], max_tokens: int
-) -> Iterator[tuple[Any, str, int]]:
-    """(prompt, decoded completion, completion tokens) of each prompt's one greedy sample, in finish order.
-
-    ``prompts`` carry ``prompt_id`` and ``text`` (models.addition.Prompt); how an answer is scored is the
-    caller's (the evaluation stage's verifier, the base recipe's exact match)."""
-    params = SamplingParams(temperature=0.0, top_p=1.0, max_tokens=max_tokens, seed=0)
-    requests = [GroupRequest(p.prompt_id, tuple(tokenizer(p.text)["input_ids"]), 1, params) for p in prompts]
-    by_id = {p.prompt_id: p for p in prompts}
-    for sample in engine.generate(requests):
-        yield (
-            by_id[sample.group_id],
-            tokenizer.decode(sample.token_ids, skip_special_tokens=True),
-            len(sample.token_ids),
-        )
-
-
-def sample_seed(seed: int, group_id: str, sample_index: int) -> int:
-    """A per-sample seed that does not depend on batching, so samples reproduce whatever the schedule."""
-    import hashlib
-
-    digest = hashlib.blake2b(f"{seed}/{group_id}/{sample_index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF
-
 
 @dataclass
 class _Sequence:
@@ -224,7 +77,7 @@ class EmbeddedEngine:
 
     ``kv_cache``: ``slots`` (Llama-family models: preallocated per-sequence slots and a decode written
     against them), ``padded`` (transformers' own cache and forward, any causal LM), or ``auto``: slots
-    where they apply (models/kv_cache.py)."""
+    where they apply (models/engines/kv_cache.py)."""
 
     def __init__(
         self,
@@ -257,7 +110,7 @@ class EmbeddedEngine:
     def kv_cache(self) -> str:
         """The KV cache the next ``generate`` uses: 'slots' or 'padded' (``max_batch`` may change between
         calls). Raises if ``kv_cache='slots'`` was asked for and cannot serve this model at this size."""
-        from models.kv_cache import slot_cache_applies
+        from models.engines.kv_cache import slot_cache_applies
 
         if self._kv_setting == "padded":
             return "padded"
@@ -268,7 +121,7 @@ class EmbeddedEngine:
         return "padded" if why_not else "slots"
 
     def load_weights(self, checkpoint_dir: str, policy_version: int) -> float:
-        from models.policy import load_state_dict
+        from models.checkpoint import load_state_dict
 
         state = load_state_dict(checkpoint_dir)  # read before pausing: only the copy blocks serving
         paused = time.perf_counter()
@@ -277,7 +130,7 @@ class EmbeddedEngine:
         return time.perf_counter() - paused
 
     def _new_cache(self):
-        from models.kv_cache import PaddedCache, SlotCache
+        from models.engines.kv_cache import PaddedCache, SlotCache
 
         if self.kv_cache == "slots":
             return SlotCache(self.model, self.max_batch, self.pad_token_id)
@@ -363,7 +216,7 @@ class EmbeddedEngine:
     def _swap(self, cache, seqs: list[_Sequence], directory: str, version: int, update: WeightUpdate):
         """Load ``version`` between two decode steps; with ``recompute``, prefill the sequences in flight
         again under it and return their next-token logits (the caller skips a decode step), else None."""
-        from models.policy import load_state_dict
+        from models.checkpoint import load_state_dict
 
         state = load_state_dict(directory)  # read before pausing: only the copy and the recompute block
         paused = time.perf_counter()
@@ -385,7 +238,7 @@ class EmbeddedEngine:
         A group's fresh samples share their whole input, so each distinct input runs once and its
         keys, values and logits are copied to one row per sequence: an n-sample group pays one
         prompt's prefill, not n."""
-        from models.kv_cache import distinct_inputs
+        from models.engines.kv_cache import distinct_inputs
 
         now = time.time()
         seqs.sort(key=lambda s: -(len(s.group.prompt_token_ids) + len(s.tokens)))  # longest first: see attention_runs
@@ -448,6 +301,6 @@ def counter_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) ->
 
 def _top_p_filter(scaled: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
     """Keep the smallest set of tokens whose probability reaches top_p (per row); mask the rest."""
-    from models.policy import nucleus_drop  # the trainer's scoring uses the same rule
+    from models.logprobs import nucleus_drop  # the trainer's scoring uses the same rule
 
     return scaled.masked_fill(nucleus_drop(scaled, top_ps.unsqueeze(-1)), float("-inf"))

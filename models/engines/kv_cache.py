@@ -1,6 +1,6 @@
 """The embedded engine's KV caches: the running batch's keys and values, as sequences join and leave it.
 
-Both kinds answer the same calls, which is all the engine's decode loop (models/engine.py) asks:
+Both kinds answer the same calls, which is all the engine's decode loop (models/engines/embedded.py) asks:
 
     admit(inputs, owner, width) -> logits [n, V]   prefill the distinct inputs once, one row per owner
     step(tokens)                -> logits [A, V]   feed one token to each of the A live rows
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from models.policy import cache_argument, cache_of
+from models.logprobs import cache_argument, cache_of
 
 if TYPE_CHECKING:
     import torch
@@ -123,7 +123,7 @@ class SlotCache:
         prefixes of every length, and one long prefix would pad every joining row up to it."""
         import torch
 
-        from models.policy import length_chunks
+        from models.logprobs import length_chunks
 
         n = len(owner)
         if self.live + n > self.slots:

@@ -9,20 +9,13 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass
+
+from models.prompt import Prompt
 
 TASK_NAME = "addition"
 MAX_OPERAND = 99
 HELD_OUT_SIZE = 500
 _HELD_OUT_SEED = 20_250_101
-
-
-@dataclass(frozen=True)
-class Prompt:
-    prompt_id: str
-    task: str
-    text: str
-    reference: str
 
 
 def make_prompt(a: int, b: int) -> Prompt:

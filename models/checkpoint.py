@@ -44,8 +44,8 @@ def set_threads(count: int) -> int:
 
     ``torch.set_num_threads`` is called only when the count changes: the call, even with the count
     already in use, leaves the process's OpenMP threads waking each other by system call at every
-    parallel op from then on (a round's training spent 1 s of system time instead of 0.1 s and ran
-    about 1.3x slower; ``benchmarks/train_step.py`` measures it)."""
+    parallel op from then on, which slows every later round's training (``benchmarks/train_step.py``
+    measures it; docs/performance.md)."""
     import torch
 
     previous, count = torch.get_num_threads(), max(1, count)

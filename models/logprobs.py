@@ -171,8 +171,8 @@ COMPLETION_PADDING_BUDGET = 64
 """Padding tokens a chunk of the completion pass may carry before its longest rows go to a chunk of their
 own (``length_chunks``). A chunk costs one more forward call, about what 64 token positions cost on the
 built-in policy; on its rounds one sample in a few hundred runs past the others' length, and padding every
-row of the minibatch up to it made a quarter of the completion pass padding (README, Where a round's
-seconds go)."""
+row of the minibatch up to it made much of the completion pass padding (docs/training.md, Where a
+round's seconds go; figures in docs/performance.md)."""
 
 
 def length_chunks(lengths: torch.Tensor, padding_budget: int = COMPLETION_PADDING_BUDGET) -> list[torch.Tensor]:

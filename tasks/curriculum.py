@@ -1,12 +1,12 @@
 """A curriculum from the campaign's own history: prompts that every sample solved lately are drawn less.
 
-Late in a campaign most groups are solved by all their samples. Such a group has zero advantage, so
-filter drops it after its generation was paid for (on the default task, from round 20 on, 48% of the
-generated groups). A prompt's most recent group predicts its next one. On the default task, rounds 20
-to 45, a prompt whose last group was solved by every sample was solved by every sample again 64% of
-the time; for the other prompts it was 36%. So a prompt that every sample of its most recent group
-solved, within the campaign's last ``prompts.history_rounds`` committed trajectory versions, is
-admitted with probability ``prompts.solved_weight``, and the others always are.
+Late in a campaign many groups are solved by all their samples. Such a group has zero advantage, so
+filter drops it after its generation was paid for. A prompt's most recent group predicts its next one:
+on the default task, a prompt whose last group was solved by every sample was solved by every sample
+again far more often than the other prompts were (docs/performance.md). So a prompt that every
+sample of its most recent group solved, within the campaign's last ``prompts.history_rounds``
+committed trajectory versions, is admitted with probability ``prompts.solved_weight``, and the others
+always are.
 
 The inputs are committed versions only, and the draw is a hash of (round seed, position in the
 prompt stream). So a round generated again (a resumed crash) draws the same prompts. Every row

@@ -103,7 +103,7 @@ def build_engine(
         try:
             from models.engines.vllm_engine import VLLMEngine
         except ImportError as exc:  # pragma: no cover -- only without vllm installed
-            raise ImportError(f"{exc}; engine 'vllm' needs vLLM: see README (Installing vLLM)") from None
+            raise ImportError(f"{exc}; engine 'vllm' needs vLLM: see docs/engines.md (Installing vLLM)") from None
         return VLLMEngine(local_dir, dtype, policy_version, max_batch, update_kv=update_kv)  # type: ignore[arg-type]
     raise ValueError(f"unknown engine {kind!r}; use one of: {', '.join(ENGINES)}")
 

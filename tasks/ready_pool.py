@@ -155,8 +155,8 @@ class ReadyPool:
         # verdicts land here from the verifier threads as they finish (deque appends are thread-safe),
         # so reading them costs one pop each instead of polling every outstanding future per sample;
         # the same callback sets _landed, which is all a wait for a verdict blocks on (waiting on the
-        # futures themselves installs a waiter on each of up to max_outstanding futures per wait:
-        # measured, a third of a late long-tail round went to that bookkeeping)
+        # futures themselves installs a waiter on each of up to max_outstanding futures per wait,
+        # bookkeeping that took a large share of a late long-tail round: docs/performance.md)
         self._arrived: deque[Future] = deque()
         self._landed = threading.Event()
         self._finished = False
@@ -372,8 +372,8 @@ class ReadyPool:
         """Backpressure: once the environment is slow, a fresh group waits while more finished samples
         queue for a verifier than it has in flight. Generating on would only lengthen that queue, and
         what is still queued when the batch fills is carried over and verified again next round: a
-        carry-over that grows round after round while the rows trained on grow ever older (measured on the
-        long-tail preset: 51k samples carried, tokens 9 versions old, no learning). The engine's samples
+        carry-over that grows round after round while the rows trained on grow ever older (on the long-tail
+        preset learning stopped: docs/performance.md). The engine's samples
         in flight keep decoding only as far as its next refill, which is where it asks for this group.
         While the environment keeps up (the pool is patient) this never waits, so rows stay reproducible."""
         while not self._patient and len(self._backlog) >= self.limits.max_outstanding and self._outstanding:

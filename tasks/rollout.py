@@ -191,8 +191,8 @@ def generate_and_verify(
     )
     limits = PoolLimits(
         # Verdicts must keep pace with the engine, which finishes up to max_batch samples a step: a
-        # cap of 2 x workers let them lag, so the pool kept feeding groups it did not need (measured:
-        # 2.2x the samples and 4x the CPU seconds to a trainable batch on the default task).
+        # cap of 2 x workers let them lag, so the pool kept feeding groups it did not need, paying for
+        # samples and CPU time the round never trained on (docs/performance.md).
         max_outstanding=max(2 * verify.workers, rollout.max_batch),
         verdict_wait_s=rollout.verdict_wait_s,
         stop_in_flight=rollout.partial_rollouts and rollout.collection == "ready_pool",

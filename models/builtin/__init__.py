@@ -56,11 +56,10 @@ BUILTINS: dict[str, BuiltinTask] = {
     ),
     # Longer sequences than addition: the counted-down answers reach 84 tokens, the recipe's examples 95,
     # and rollout lets wrong ones run on, so the model gets 128 positions. Smaller, faster steps than
-    # addition's recipe keep the build under two minutes on a 2-core machine (the steps are matrix
-    # products: 57% of a step in aten::mm). Two threads, as addition's recipe: at these sizes they built
-    # bit for bit the weights one thread builds (v2: sha256 50b0bc38080a), 1.34x faster (README, Presets),
-    # and on a 2-core machine the build leaves the thread count of a campaign after it in the same process
-    # alone (set_threads).
+    # addition's recipe keep the build short on a small CPU (a step is mostly matrix products). Two
+    # threads, as addition's recipe: at these sizes they build bit for bit the weights one thread builds,
+    # faster (docs/performance.md), and on a 2-core machine the build leaves the thread count of a
+    # campaign after it in the same process alone (set_threads).
     "builtin-longtail": BuiltinTask(
         "builtin-longtail",
         "builtin:longtail",
@@ -74,8 +73,8 @@ BUILTINS: dict[str, BuiltinTask] = {
             max_position_embeddings=128,
             length_buckets=4,
             teacher_forced_checks=True,
-            check_every=25,  # a check costs about 4 steps; validation went 49.4% -> 58.2% in steps 500-550
-            stop_at_accuracy=0.50,  # at 45% (step 500) it counted worse (span 2: 25/78) and RL levelled off at 84%
+            check_every=25,  # a check costs a few steps, but validation climbs fast near the stop
+            stop_at_accuracy=0.50,  # stopped at 45% it counted worse and RL levelled off lower (docs/performance.md)
         ),
         "3",  # v3: examples count down to 24 numbers (longtail.BASE_MAX_SPAN), v2's to 21
         "builtin-longtail-llama",

@@ -29,15 +29,15 @@ SPAN_EXPONENT = 1.8
 BASE_MAX_SPAN = 23
 """The base recipe's longest span: 24 numbers, 95 characters at most, past the task's longest answer (84).
 A run-on ends about where the base's longest example does: a base whose examples stopped at the task's
-longest (v2) held p99 / p50 of its samples at 7 (84 tokens against 12); this one runs on to
-``rollout.max_tokens`` often enough for 9 (README, Presets). Changing it changes the base: bump the
+longest (v2) kept its samples' tail shorter than the preset is there to show; this one runs on to
+``rollout.max_tokens`` often enough for a long tail (docs/performance.md). Changing it changes the base: bump the
 recipe version in ``models.builtin`` with it."""
 BASE_SPAN_EXPONENT = 1.0
 """Spans of the base recipe's supervised examples, drawn with weight ``1/s``: flatter than the task's, so
 the base has counted down (72% of its examples count past the first number, against 44% of the task's
 prompts). RL sharpens what a base sometimes gets right. A base trained on the task's own spans learns to
-copy the two numbers of a span-1 prompt long before it counts down (greedy: span 1 81%, span 2 10%,
-longer almost none), and RL on it climbed about one point a round."""
+copy the two numbers of a span-1 prompt long before it counts down, and RL on it climbed slowly
+(docs/performance.md)."""
 HELD_OUT_SIZE = 500
 _HELD_OUT_SEED = 20_250_414
 _SPANS = list(range(1, MAX_SPAN + 1))

@@ -19,8 +19,8 @@ model are the weights served; only attention over the slot buffer is written her
 
 ``PaddedCache`` (any other causal LM): transformers' own cache and forward, left-padded. Every
 decode step grows each layer's cache by one column (a copy of the whole cache), and every join or
-leave copies the whole batch's cache. On the default task's rollout that bookkeeping cost a quarter
-of the stage; ``benchmarks/engine.py`` compares the two.
+leave copies the whole batch's cache. On the default task's rollout that bookkeeping was a large share
+of the stage (docs/performance.md); ``benchmarks/engine.py`` compares the two.
 """
 
 from __future__ import annotations
@@ -208,10 +208,10 @@ class SlotCache:
         """One query per row over its own keys: q [A, 1, heads, Dh], keys/values [A, span, kv_heads, Dh].
 
         Elementwise products and sums: with one query and a few keys per row, a batched matmul or the
-        fused attention kernel spends its time on per-row set-up (measured: twice as slow here).
+        fused attention kernel spends its time on per-row set-up (docs/performance.md).
         Below float32 (serving precision) the products and sums run in float32, as attention kernels
-        accumulate. Measured on the built-in base's 500 greedy held-out answers in bfloat16: 7 differed from
-        transformers' cache with bfloat16 products, 4 with float32 ones (accuracy 41.8% and 42.2%, as theirs)."""
+        accumulate: with bfloat16 products more of the base's greedy held-out answers differed from
+        transformers' cache, and its accuracy was not theirs (docs/performance.md)."""
         import torch
 
         live, span = keys.shape[:2]

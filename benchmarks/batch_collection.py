@@ -92,7 +92,7 @@ def collection_round(engine, tokenizer, rc, mode: str, seed: int, round_index: i
     from tasks.filter import apply_decisions, decide, length_bias
     from tasks.rollout import generate_and_verify
 
-    steps_before = getattr(engine, "decode_steps", 0)  # replicas behind Ray do not count them: 0
+    steps_before = engine.decode_steps
     start = time.time()
     result = generate_and_verify(
         engine,
@@ -127,7 +127,7 @@ def collection_round(engine, tokenizer, rc, mode: str, seed: int, round_index: i
         "time_to_trainable_batch_s": end - start,
         "batch_ready_s": result.stats["rollout/batch_ready_at"] - start,
         "idle_s": slot_idle_seconds(rows + result.carry_rows, start, end, rc.rollout.max_batch),
-        "decode_steps": getattr(engine, "decode_steps", 0) - steps_before,
+        "decode_steps": engine.decode_steps - steps_before,
         "wasted_tokens": wasted,
         "generated_tokens": sum(generated),
         "kept_groups": len(kept_groups),

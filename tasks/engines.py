@@ -10,7 +10,7 @@ worker does not keep a vLLM engine holding its memory after the campaign. Engine
 
 Either kind can run as N replicas, each a Ray actor (models/engines/replicas.py), when ``replicas > 1`` or a
 Ray address is given: ``ray_address`` attaches to that cluster, otherwise a local Ray is started.
-The replica set is used exactly like one engine.
+The replica set is used exactly like one engine: each is a ``RolloutEngine`` (models/engines/types.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,12 @@ import os
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+from models.engines.types import RolloutEngine, UpdateKV
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 ENGINES = ("embedded", "vllm")
 
@@ -39,8 +44,8 @@ class Placement:
 
 @dataclass
 class _Serving:
-    engine: Any
-    tokenizer: Any
+    engine: RolloutEngine
+    tokenizer: PreTrainedTokenizerBase
     local_dir: str
     placement: Placement
 
@@ -75,7 +80,7 @@ def model_shape(local_dir: str) -> str:
     return json.dumps({k: config.get(k) for k in _SHAPE_FIELDS}, sort_keys=True)
 
 
-def load_tokenizer(local_dir: str) -> Any:
+def load_tokenizer(local_dir: str) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     from models.checkpoint import check_policy_dir
@@ -88,8 +93,8 @@ def load_tokenizer(local_dir: str) -> Any:
 
 
 def build_engine(
-    kind: str, local_dir: str, dtype: str, policy_version: int, max_batch: int = 1024, update_kv: str = "recompute"
-) -> Any:
+    kind: str, local_dir: str, dtype: str, policy_version: int, max_batch: int = 1024, update_kv: UpdateKV = "recompute"
+) -> RolloutEngine:
     """One engine in this process. Module-level and picklable by reference: Ray replicas call it."""
     if kind == "embedded":
         from models.checkpoint import load_policy
@@ -97,14 +102,14 @@ def build_engine(
 
         model, tokenizer = load_policy(local_dir, dtype=dtype)
         return EmbeddedEngine(
-            model, tokenizer.eos_token_id, tokenizer.pad_token_id, max_batch, policy_version, update_kv  # type: ignore[arg-type]
+            model, tokenizer.eos_token_id, tokenizer.pad_token_id, max_batch, policy_version, update_kv
         )
     if kind == "vllm":
         try:
             from models.engines.vllm_engine import VLLMEngine
         except ImportError as exc:  # pragma: no cover -- only without vllm installed
             raise ImportError(f"{exc}; engine 'vllm' needs vLLM: see docs/engines.md (Installing vLLM)") from None
-        return VLLMEngine(local_dir, dtype, policy_version, max_batch, update_kv=update_kv)  # type: ignore[arg-type]
+        return VLLMEngine(local_dir, dtype, policy_version, max_batch, update_kv=update_kv)
     raise ValueError(f"unknown engine {kind!r}; use one of: {', '.join(ENGINES)}")
 
 
@@ -115,8 +120,8 @@ def make_engine(
     policy_version: int,
     max_batch: int = 1024,
     placement: Placement = Placement(),
-    update_kv: str = "recompute",
-) -> tuple[Any, Any]:
+    update_kv: UpdateKV = "recompute",
+) -> tuple[RolloutEngine, PreTrainedTokenizerBase]:
     """A fresh engine (or replica set) over a local checkpoint directory, and its tokenizer."""
     if kind not in ENGINES:
         raise ValueError(f"unknown engine {kind!r}; use one of: {', '.join(ENGINES)}")
@@ -128,7 +133,7 @@ def make_engine(
 
 def start_replicas(
     kind: str, local_dir: str, dtype: str, policy_version: int, max_batch: int, placement: Placement
-) -> Any:
+) -> RolloutEngine:
     """``placement.replicas`` engines as Ray actors behind one prompt-affinity router."""
     import functools
 
@@ -170,8 +175,8 @@ def serving_engine(
     max_batch: int = 1024,
     placement: Placement | None = None,
     role: str = "rollout",
-    update_kv: str = "recompute",
-) -> tuple[Any, Any, float]:
+    update_kv: UpdateKV = "recompute",
+) -> tuple[RolloutEngine, PreTrainedTokenizerBase, float]:
     """The live engine for (role, kind, dtype), serving ``policy_version``; returns (engine, tokenizer, pause_s).
 
     A new engine is built the first time; afterwards new weights are loaded in place and the seconds
@@ -192,10 +197,7 @@ def serving_engine(
             engine, tokenizer = make_engine(kind, local_dir, dtype, policy_version, max_batch, where, update_kv)
             _serving[key] = _Serving(engine, tokenizer, local_dir, where)
             return engine, tokenizer, 0.0
-        if hasattr(entry.engine, "max_batch"):
-            entry.engine.max_batch = max_batch
-        if hasattr(entry.engine, "update_kv"):
-            entry.engine.update_kv = update_kv
+        entry.engine.configure(max_batch, update_kv)
         if entry.engine.policy_version == policy_version and entry.local_dir == local_dir:
             return entry.engine, entry.tokenizer, 0.0
         pause = entry.engine.load_weights(local_dir, policy_version)
@@ -203,11 +205,9 @@ def serving_engine(
         return entry.engine, entry.tokenizer, pause
 
 
-def close_engine(engine: Any) -> None:
+def close_engine(engine: RolloutEngine) -> None:
     """Release an engine's processes and memory now (vLLM engine core, Ray actors); no-op for torch."""
-    close = getattr(engine, "close", None)
-    if close is not None:
-        close()
+    engine.close()
 
 
 @contextlib.contextmanager
@@ -224,12 +224,6 @@ def released_engines() -> Iterator[None]:
             entries = [_serving.pop(key) for key in built]
         for entry in entries:
             close_engine(entry.engine)
-
-
-def serving_engines() -> list[tuple[str, str]]:
-    """(kind, dtype) of each live serving engine of this process."""
-    with _lock:
-        return [(kind, dtype) for _, kind, dtype, _ in _serving]
 
 
 def drop_serving_engines() -> None:

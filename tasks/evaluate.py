@@ -15,11 +15,12 @@ Replays and ``rlrounds eval`` never move the alias.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import Field
 
-from models.engines.types import greedy_completions
+from models.engines.greedy import greedy_completions
+from models.engines.types import RolloutEngine
 from tasks.config_base import Config, Dtype
 from tasks.context import RoundContext
 from tasks.prompts import PromptsConfig
@@ -28,6 +29,9 @@ from tasks.verifiers.config import VerifyConfig
 from tasks.verifiers.outcome import Outcome, Verifier
 from tasks.verifiers.pool import run_verifier
 from tasks.verifiers.registry import get_verifier
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class EvaluateConfig(Config):
@@ -52,7 +56,9 @@ class EvaluateConfig(Config):
     """How long a round waits for an approval; no answer by then rejects the checkpoint."""
 
 
-def accuracy(engine, tokenizer, prompts, verifier: Verifier, max_tokens: int) -> dict[str, float]:
+def accuracy(
+    engine: RolloutEngine, tokenizer: PreTrainedTokenizerBase, prompts, verifier: Verifier, max_tokens: int
+) -> dict[str, float]:
     """Greedy accuracy of ``engine`` on ``prompts``: share of prompts the verifier scores as success.
 
     An infrastructure failure counts as not a success (and is reported): leaving it out of the

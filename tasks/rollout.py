@@ -21,11 +21,11 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import Field
 
-from models.engines.types import GroupRequest, SamplingParams
+from models.engines.types import GroupRequest, RolloutEngine, SamplingParams
 from tasks.config_base import Config, Dtype
 from tasks.context import RoundContext
 from tasks.curriculum import admitted, solved_prompts
@@ -39,6 +39,9 @@ from tasks.verifiers.config import VerifyConfig
 from tasks.verifiers.outcome import Outcome
 from tasks.verifiers.pool import VerifierPool, check_infra_failure_rate
 from tasks.verifiers.registry import rollout_verifier, rollout_verifier_version, scores_inline
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class RolloutConfig(Config):
@@ -98,8 +101,8 @@ class RolloutResult:
 
 
 def generate_and_verify(
-    engine,
-    tokenizer,
+    engine: RolloutEngine,
+    tokenizer: PreTrainedTokenizerBase,
     prompts: PromptsConfig,
     rollout: RolloutConfig,
     verify: VerifyConfig,
@@ -246,7 +249,7 @@ def generate_and_verify(
     return RolloutResult(rows=rows, carry_rows=carry_rows, stats=stats)
 
 
-def _collect_in_barriers(engine, pool: ReadyPool, fresh, target_groups: int, progress) -> None:
+def _collect_in_barriers(engine: RolloutEngine, pool: ReadyPool, fresh, target_groups: int, progress) -> None:
     """The synchronous barrier: batches of ``target_groups`` prompts, each generated to its last sample
     and verified to its last verdict before the pool is asked whether it holds enough trainable groups.
     ``fresh`` ends at the over-provisioning cap."""

@@ -100,6 +100,18 @@ def test_the_router_stops_pulling_when_the_caller_stops_feeding(router):
     assert len(pulled) <= engine.groups_per_call * (2 * engine.replicas + 1) < 400
 
 
+def test_the_router_is_a_rollout_engine_counting_its_replicas_steps(router):
+    from models.engines.types import RolloutEngine
+
+    engine, tok = router
+    assert isinstance(engine, RolloutEngine)
+    before = engine.decode_steps
+    samples = list(engine.generate(_requests(tok, 1, SamplingParams(temperature=0.0, max_tokens=3))))
+    assert engine.decode_steps - before >= max(len(s.token_ids) for s in samples) - 1  # prefills not counted
+    with pytest.raises(ValueError, match="rollout.replicas 1"):  # weights load between calls only
+        next(engine.generate(_requests(tok, 1, SamplingParams()), None, object()))
+
+
 def test_weights_reach_every_replica_in_place(router, tiny_policy_dir, tmp_path):
     import torch
 

@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
@@ -23,7 +24,11 @@ from models.builtin.recipe import BaseRecipe
 from models.builtin.tokenizer import build_char_tokenizer
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from models.builtin import BuiltinTask
+    from models.engines.types import RolloutEngine
+    from models.prompt import Prompt
 
 
 def build_model(recipe: BaseRecipe, vocab_size: int, tokenizer):
@@ -171,9 +176,11 @@ def teacher_forced_accuracy(model, tokenizer, prompts, buckets: int = 1) -> floa
     return correct / len(prompts)
 
 
-def greedy_accuracy(engine, tokenizer, prompts, max_tokens: int = 8) -> float:
+def greedy_accuracy(
+    engine: RolloutEngine, tokenizer: PreTrainedTokenizerBase, prompts: Sequence[Prompt], max_tokens: int = 8
+) -> float:
     """Greedy exact-match accuracy of ``engine`` on ``prompts`` (the built-in verifiers' rule)."""
-    from models.engines.types import greedy_completions
+    from models.engines.greedy import greedy_completions
 
     correct = sum(
         text.strip() == prompt.reference

@@ -6,7 +6,7 @@ not keep finished rows computing) and admits waiting sequences into the freed sl
 (models/engines/kv_cache.py) is a preallocated slot per sequence for Llama-family models, transformers' own
 cache for any other.
 
-It implements the interface of ``models.engines.types`` (partial rollouts, weight updates in flight).
+It is a ``RolloutEngine`` (models/engines/types.py: partial rollouts, weight updates in flight).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from models.engines.types import (
     EngineInfo,
     GeneratedSample,
     GroupRequest,
+    RolloutEngine,
     UpdateKV,
     WeightUpdate,
     sample_seed,
@@ -72,7 +73,7 @@ class _Sequence:
 KVCacheKind = Literal["auto", "slots", "padded"]
 
 
-class EmbeddedEngine:
+class EmbeddedEngine(RolloutEngine):
     """Torch sampling with a KV cache on this process. Default on CPU; works with any HF causal LM.
 
     ``kv_cache``: ``slots`` (Llama-family models: preallocated per-sequence slots and a decode written
@@ -101,9 +102,6 @@ class EmbeddedEngine:
         self.info = EngineInfo(name="embedded", version=f"torch-{torch.__version__}", dtype=dtype)
         self._kv_setting = kv_cache
         self.decode_steps = 0
-        """Decode steps run since the engine was made (prefills not counted). Where a step costs about the
-        same whatever its batch (an accelerator below its batch limit), rollout time goes with this count,
-        not with the tokens generated (benchmarks/batch_collection.py)."""
         self.kv_cache  # noqa: B018 -- fails now, not at the first generate, if 'slots' cannot serve the model
 
     @property
@@ -119,6 +117,13 @@ class EmbeddedEngine:
         if why_not and self._kv_setting == "slots":
             raise ValueError(f"kv_cache='slots' cannot serve this model: {why_not}")
         return "padded" if why_not else "slots"
+
+    def configure(self, max_batch: int, update_kv: UpdateKV) -> None:
+        self.max_batch = max_batch
+        self.update_kv = update_kv
+
+    def close(self) -> None:
+        pass  # nothing outside this process: the model and its caches go with the object
 
     def load_weights(self, checkpoint_dir: str, policy_version: int) -> float:
         from models.checkpoint import load_state_dict
@@ -144,10 +149,6 @@ class EmbeddedEngine:
         should_stop: Callable[[], bool] | None = None,
         update: WeightUpdate | None = None,
     ) -> Iterator[GeneratedSample]:
-        """Groups are pulled from ``groups`` only when slots free up, so a caller can stop feeding
-        (its iterator ends) the moment it has enough, and in-flight groups still finish; or stop
-        them too, through ``should_stop`` (polled before every decode step), and get them back partial.
-        ``update``: new weights to load between two decode steps once due (module doc)."""
         import torch
 
         feed = iter(groups)

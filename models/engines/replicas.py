@@ -1,4 +1,4 @@
-"""Engine replicas as Ray actors, behind the same engine interface as a single engine.
+"""Engine replicas as Ray actors, seen as one ``RolloutEngine`` (models/engines/types.py).
 
     router = ReplicaRouter.start(build, replicas=2, cpus_per_replica=1)
     for sample in router.generate(groups): ...       # finish order, across replicas
@@ -17,7 +17,8 @@ replica is told to stop that call's samples (a ``stop`` call in the actor's own 
 concurrency group, so it runs while ``stream`` is busy), which then stream back partial.
 
 Checkpoint directories passed to ``load_weights`` must be readable by every replica's node: local
-paths on a one-machine cluster, a shared filesystem otherwise.
+paths on a one-machine cluster, a shared filesystem otherwise. New weights load between calls only:
+a replica set takes no ``update`` in flight (overlap mode runs one engine in the rollout's process).
 """
 
 from __future__ import annotations
@@ -30,7 +31,15 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from models.engines.types import EngineInfo, GeneratedSample, GroupRequest, unstarted
+from models.engines.types import (
+    EngineInfo,
+    GeneratedSample,
+    GroupRequest,
+    RolloutEngine,
+    UpdateKV,
+    WeightUpdate,
+    unstarted,
+)
 
 FLUSH_SAMPLES = 64  # a replica sends finished samples back in batches of at most this many ...
 FLUSH_SECONDS = 0.05  # ... or after this long, whichever comes first
@@ -42,7 +51,7 @@ CONTROL = "control"  # the actor concurrency group of stop(): it must not queue 
 class EngineReplica:
     """The actor body: one engine, driven by the router. Wrapped with ``ray.remote`` at start."""
 
-    def __init__(self, build: Callable[[], Any], threads: int):
+    def __init__(self, build: Callable[[], RolloutEngine], threads: int):
         from models.checkpoint import set_threads
 
         set_threads(threads)  # Ray's OMP_NUM_THREADS already gives an actor its CPUs: usually nothing to do
@@ -52,6 +61,10 @@ class EngineReplica:
 
     def describe(self) -> tuple[EngineInfo, int]:
         return self.engine.info, self.engine.policy_version
+
+    def decode_steps(self) -> int:
+        """Called in the control group, so it answers while stream() is busy."""
+        return self.engine.decode_steps
 
     def stop(self, generation: str) -> None:
         """Stop the samples of every call of ``generation``; runs in the control group, beside stream()."""
@@ -90,9 +103,7 @@ class EngineReplica:
         return self.engine.load_weights(checkpoint_dir, policy_version)
 
     def close(self) -> None:
-        close = getattr(self.engine, "close", None)
-        if close:
-            close()
+        self.engine.close()
 
 
 def replica_for(prompt_token_ids: tuple[int, ...], replicas: int) -> int:
@@ -101,8 +112,11 @@ def replica_for(prompt_token_ids: tuple[int, ...], replicas: int) -> int:
     return int.from_bytes(digest, "little") % replicas
 
 
-class ReplicaRouter:
-    """N engine actors seen as one engine: prompt-affinity routing, finish-order results."""
+class ReplicaRouter(RolloutEngine):
+    """N engine actors seen as one engine: prompt-affinity routing, finish-order results.
+
+    ``generate`` keeps up to ``calls_per_replica`` calls of ``groups_per_call`` groups on each
+    replica, and pulls more groups only when a replica has room for another call."""
 
     def __init__(self, actors: list[Any], groups_per_call: int, calls_per_replica: int = 2):
         import ray
@@ -124,7 +138,7 @@ class ReplicaRouter:
     @classmethod
     def start(
         cls,
-        build: Callable[[], Any],
+        build: Callable[[], RolloutEngine],
         replicas: int,
         cpus_per_replica: float = 1.0,
         gpus_per_replica: float = 0.0,
@@ -144,11 +158,24 @@ class ReplicaRouter:
     def replicas(self) -> int:
         return len(self.actors)
 
+    @property
+    def decode_steps(self) -> int:
+        """Every replica's decode steps, summed: each replica steps on its own."""
+        import ray
+
+        return sum(ray.get([a.decode_steps.options(concurrency_group=CONTROL).remote() for a in self.actors]))
+
     def generate(
-        self, groups: Iterable[GroupRequest], should_stop: Callable[[], bool] | None = None
+        self,
+        groups: Iterable[GroupRequest],
+        should_stop: Callable[[], bool] | None = None,
+        update: WeightUpdate | None = None,
     ) -> Iterator[GeneratedSample]:
-        """Keep up to ``calls_per_replica`` calls of ``groups_per_call`` groups on each replica;
-        pull more groups only when a replica has room for another call."""
+        if update is not None:
+            raise ValueError(
+                "a replica set loads new weights between calls only; weight updates in flight (mode "
+                "'overlap') need one engine in this process: set rollout.replicas 1 and no ray_address"
+            )
         import ray
 
         feed = iter(groups)
@@ -217,6 +244,11 @@ class ReplicaRouter:
         pauses = ray.get([a.load_weights.remote(checkpoint_dir, policy_version) for a in self.actors])
         self.policy_version = policy_version
         return max(pauses)
+
+    def configure(self, max_batch: int, update_kv: UpdateKV) -> None:
+        """Nothing changes: the replicas keep the batch they were started with (each call is sized
+        from it at start), and ``update_kv`` matters only to weight updates in flight, which a
+        replica set does not take."""
 
     def close(self) -> None:
         import ray

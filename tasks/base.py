@@ -81,7 +81,8 @@ def run_register_base(
         verify=verify,
         checkpoint=ctx.parent_checkpoint,
         model_version=model_version,
-    ).stats
-    tracker.log(ctx.mlflow_run_id, metrics={k: v for k, v in evaluation.items() if isinstance(v, (int, float))}, step=0)
+    )
+    metrics = evaluation.metrics()
+    tracker.log(ctx.mlflow_run_id, metrics={k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=0)
     tracker.finish(ctx.mlflow_run_id)
-    return Published(model_version=model_version or "none", stats=evaluation)
+    return Published(model_version=model_version or "none", stats=metrics, accuracy=evaluation.accuracy)

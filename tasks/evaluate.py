@@ -6,11 +6,9 @@ policy is usually served at), and on the training precision too when they differ
 logged. Accuracy is successes over every held-out prompt: a prompt the verifier could not score
 (infra_failure) is not a success, so a flaky environment can only lower it, never inflate it.
 
-The champion gate: a round's checkpoint takes the ``champion`` alias only when its serving accuracy
-is not below the champion's at the same engine and dtype. A champion never scored there is scored
-first, so the comparison is always like with like; a champion of another promotion line (another task
-or held-out set, the ``line`` tag) is never compared with, and the round fails naming the fix.
-Replays and ``rlrounds eval`` never move the alias.
+The round's evaluate stage (``run_evaluate``) scores its checkpoint here and hands the scores to the
+champion gate (tasks/gate.py), which decides whether the checkpoint takes the champion alias. Replays
+and ``rlrounds eval`` (``run_evaluate_version``) score without the gate, so never move the alias.
 """
 
 from __future__ import annotations
@@ -23,8 +21,9 @@ from models.engines.greedy import greedy_completions
 from models.engines.types import RolloutEngine
 from tasks.config_base import Config, Dtype
 from tasks.context import RoundContext
+from tasks.gate import PROMOTED_TAG, champion_gate, recorded_verdict
 from tasks.prompts import PromptsConfig
-from tasks.results import Evaluation, NotInput, Stats, VersionEvaluation
+from tasks.results import Evaluation, HeldOutScores, NotInput, VersionEvaluation
 from tasks.verifiers.config import VerifyConfig
 from tasks.verifiers.outcome import Outcome, Verifier
 from tasks.verifiers.pool import run_verifier
@@ -92,7 +91,7 @@ def evaluate_checkpoint(
     train_dtype: str = "float32",
     policy_version: int | None = None,
     role: str = "rollout",
-) -> Stats:
+) -> HeldOutScores:
     """Score a local checkpoint on the serving engine/dtype and, if different, the training precision.
 
     With ``policy_version`` the live serving engine of that kind and dtype is used (weights loaded in
@@ -114,55 +113,61 @@ def evaluate_checkpoint(
     finally:
         if policy_version is None:
             close_engine(engine)
-    out: Stats = {
-        "eval/accuracy": serving["accuracy"],
-        "eval/prompts": serving["prompts"],
-        "eval/infra_failures": serving["infra_failures"],
-        "eval/mean_tokens": serving["mean_tokens"],
-        "eval/engine": engine.info.name,
-        "eval/dtype": engine.info.dtype,
-    }
     if (config.serving_engine, config.serving_dtype) != ("embedded", train_dtype):
         train_engine, _ = make_engine("embedded", local_dir, train_dtype, policy_version=0)
         at_train = accuracy(train_engine, tokenizer, prompts, verifier, config.max_tokens)["accuracy"]
-        out["eval/accuracy_train_precision"] = at_train
-        out["eval/serving_gap"] = serving["accuracy"] - at_train
     else:
-        out["eval/accuracy_train_precision"] = serving["accuracy"]
-        out["eval/serving_gap"] = 0.0
-    return out
+        at_train = serving["accuracy"]
+    return HeldOutScores(
+        accuracy=serving["accuracy"],
+        prompts=serving["prompts"],
+        infra_failures=serving["infra_failures"],
+        mean_tokens=serving["mean_tokens"],
+        engine=engine.info.name,
+        dtype=engine.info.dtype,
+        accuracy_train_precision=at_train,
+        serving_gap=serving["accuracy"] - at_train,
+    )
 
 
-def evaluation_tags(result: dict) -> dict[str, float | str]:
+def evaluation_tags(scores: HeldOutScores) -> dict[str, float | str]:
     """The eval.* tags a registered model version carries (read back by `rlrounds lineage`)."""
     return {
-        "eval.accuracy": result["eval/accuracy"],
-        "eval.accuracy_train_precision": result["eval/accuracy_train_precision"],
-        "eval.serving_gap": result["eval/serving_gap"],
-        "eval.engine": result["eval/engine"],
-        "eval.dtype": result["eval/dtype"],
-        "eval.prompts": result["eval/prompts"],
+        "eval.accuracy": scores.accuracy,
+        "eval.accuracy_train_precision": scores.accuracy_train_precision,
+        "eval.serving_gap": scores.serving_gap,
+        "eval.engine": scores.engine,
+        "eval.dtype": scores.dtype,
+        "eval.prompts": scores.prompts,
     }
 
 
-PROMOTED_TAG = "eval.promoted"  # written last: a version carrying it has been evaluated and gated
-GATE_TAG = "eval.gate_passed"  # its accuracy was not below the champion's (promoted unless approval is required)
+def precision_tags(scores: HeldOutScores) -> dict[str, float | str]:
+    """Tags keyed by engine and dtype (``eval.vllm.bfloat16.accuracy``), so evaluations of one model
+    version at several serving precisions sit side by side instead of overwriting each other."""
+    where = f"eval.{scores.engine}.{scores.dtype}"
+    return {
+        f"{where}.accuracy": scores.accuracy,
+        f"{where}.accuracy_train_precision": scores.accuracy_train_precision,
+        f"{where}.serving_gap": scores.serving_gap,
+        f"{where}.prompts": scores.prompts,
+    }
 
 
-def recorded_evaluation(tags: dict[str, str]) -> dict[str, float | str]:
-    """The stage's result, read back from a version's tags (a resumed round does not evaluate twice)."""
-    text = {"eval/engine": tags.get("eval.engine", "?"), "eval/dtype": tags.get("eval.dtype", "?")}
-    numbers = (
-        "accuracy",
-        "accuracy_train_precision",
-        "serving_gap",
-        "prompts",
-        "infra_failures",
-        "mean_tokens",
-        "promoted",
-        "gate_passed",
+def recorded_scores(tags: dict[str, str]) -> HeldOutScores:
+    """A round's scores read back from the eval.* tags ``run_evaluate`` wrote on its model version."""
+    text = ("engine", "dtype")
+    return HeldOutScores(
+        **{
+            name: tags.get(f"eval.{name}", "?") if name in text else float(tags[f"eval.{name}"])
+            for name in HeldOutScores.model_fields
+        }
     )
-    return {**{f"eval/{k}": float(tags[f"eval.{k}"]) for k in numbers if f"eval.{k}" in tags}, **text}
+
+
+def recorded_evaluation(tags: dict[str, str]) -> Evaluation:
+    """The stage's result, read back from a version's tags (a resumed round does not evaluate twice)."""
+    return Evaluation(**recorded_scores(tags).model_dump(), **recorded_verdict(tags))
 
 
 # -- the stage ------------------------------------------------------------------------------------
@@ -179,12 +184,11 @@ def run_evaluate(
     train_dtype: str = "float32",
     engine_role: Annotated[str, NotInput("which live engine scores; greedy scores are the same on either")] = "rollout",
 ) -> Evaluation:
-    """Score the checkpoint, record it on the round's run and the model version, apply the champion gate.
+    """Score the checkpoint, record it on the model version, apply the champion gate (tasks/gate.py).
 
     Idempotent: a version already carrying ``eval.promoted`` returns its recorded evaluation; a crash
     before that tag re-runs the (greedy, deterministic) evaluation and reaches the same gate decision."""
     from storage import checkpoints
-    from storage.files import lease
     from storage.paths import StorageRoot
     from storage.settings import settings
     from storage.tracking import Tracker, parse_model_version
@@ -197,68 +201,39 @@ def run_evaluate(
     if model_version:
         recorded = tracker.model_version(*parse_model_version(model_version)).tags
         if PROMOTED_TAG in recorded:
-            return Evaluation(stats=recorded_evaluation(recorded))
+            return recorded_evaluation(recorded)
     local = checkpoints.local_copy(root, checkpoint)
     held_out = evaluation_prompts(prompts, config.source)
-    result = evaluate_checkpoint(
+    scores = evaluate_checkpoint(
         local, held_out, verify, config, train_dtype, policy_version=ctx.round, role=engine_role
     )
-    promoted = passed = False
-    if model_version:
-        name, version = parse_model_version(model_version)
-        tracker.tag_model_version(
-            name,
-            version,
-            {
-                **evaluation_tags(result),
-                **precision_tags(result),
-                "eval.infra_failures": result["eval/infra_failures"],
-                "eval.mean_tokens": result["eval/mean_tokens"],
-            },
-        )
-        # Read, compare and move the alias as one step: two campaigns of one line finishing together
-        # would otherwise each compare with the old champion and the later write would win.
-        with lease(root, root.join("locks", f"champion-{name}-{config.champion_alias}.lock")):
-            champion = tracker.alias_version(name, config.champion_alias)
-            best = -1.0
-            if champion and champion != version:
-                champion_tags = tracker.model_version(name, champion).tags
-                check_same_line(name, config.champion_alias, champion, champion_tags, recorded)
-                best = champion_accuracy(tracker, root, name, champion, result, held_out, verify, config, train_dtype)
-            passed = result["eval/accuracy"] >= best
-            if passed and config.approval == "none":  # 'required': a person decides (tasks/approval.py)
-                tracker.set_alias(name, config.champion_alias, version)
-                promoted = True
-            if best >= 0:
-                result = {**result, "eval/champion_accuracy": best}
-            tracker.tag_model_version(name, version, {PROMOTED_TAG: float(promoted), GATE_TAG: float(passed)})
-        describe_version(tracker, root, model_version)  # the MLflow UI's summary of the tags just written
-    return Evaluation(stats={**result, "eval/promoted": float(promoted), "eval/gate_passed": float(passed)})
-
-
-def other_line(champion_tags: dict[str, str], candidate_tags: dict[str, str]) -> str | None:
-    """The champion's line when it differs from the candidate's, else None. A version registered before
-    lines were recorded has none and is taken to be of the candidate's line (there is nothing to tell)."""
-    from storage.tracking import LINE_TAG
-
-    theirs, ours = champion_tags.get(LINE_TAG), candidate_tags.get(LINE_TAG)
-    return theirs if theirs and ours and theirs != ours else None
-
-
-def check_same_line(name: str, alias: str, champion: str, champion_tags: dict, candidate_tags: dict) -> None:
-    """Refuse to gate a checkpoint against a champion of another line: their accuracies were measured on
-    other tasks or held-out sets, so comparing them would move the alias on a meaningless difference."""
-    from storage.tracking import LINE_TAG, LineageError
-
-    theirs = other_line(champion_tags, candidate_tags)
-    if theirs is not None:
-        ours = candidate_tags[LINE_TAG]
-        raise LineageError(
-            f"the {alias} of {name} is version {champion}, of promotion line {theirs!r}, but this checkpoint is of "
-            f"line {ours!r}: a gate compares only checkpoints of one task and held-out set; leave "
-            f"publish.model_name unset (each line gets its own registered model, rlrounds-{ours}) or give this "
-            "line a model name of its own"
-        )
+    if not model_version:  # nothing registered, nothing to promote
+        return Evaluation(**scores.model_dump(), promoted=False, gate_passed=False)
+    name, version = parse_model_version(model_version)
+    tracker.tag_model_version(
+        name,
+        version,
+        {
+            **evaluation_tags(scores),
+            **precision_tags(scores),
+            "eval.infra_failures": scores.infra_failures,
+            "eval.mean_tokens": scores.mean_tokens,
+        },
+    )
+    evaluation = champion_gate(
+        tracker,
+        root,
+        model_version,
+        scores,
+        recorded,
+        alias=config.champion_alias,
+        approval_required=config.approval == "required",  # then a person decides (tasks/approval.py)
+        champion_accuracy=lambda champion: champion_accuracy(
+            tracker, root, name, champion, scores, held_out, verify, config, train_dtype
+        ),
+    )
+    describe_version(tracker, root, model_version)  # the MLflow UI's summary of the tags just written
+    return evaluation
 
 
 def champion_accuracy(
@@ -266,43 +241,31 @@ def champion_accuracy(
     root,
     name: str,
     champion: str,
-    result: Stats,
+    scores: HeldOutScores,
     prompts,
     verify: VerifyConfig,
     config: EvaluateConfig,
     train_dtype: str,
 ) -> float:
-    """The champion's serving accuracy on the engine and dtype ``result`` was measured with.
+    """The champion's serving accuracy on the engine and dtype ``scores`` were measured with.
 
     A figure from another engine or dtype is not comparable (bfloat16 greedy answers differ from
     float32 ones), so a champion without one is scored now, on a fresh engine, and tagged."""
     from storage import checkpoints
     from storage.tracking import checkpoint_uri
 
-    key = f"eval.{result['eval/engine']}.{result['eval/dtype']}.accuracy"
+    key = f"eval.{scores.engine}.{scores.dtype}.accuracy"
     registered = tracker.model_version(name, champion)
     if key in registered.tags:
         return float(registered.tags[key])
     tags = registered.tags
-    same_place = (tags.get("eval.engine"), tags.get("eval.dtype")) == (result["eval/engine"], result["eval/dtype"])
+    same_place = (tags.get("eval.engine"), tags.get("eval.dtype")) == (scores.engine, scores.dtype)
     if same_place and "eval.accuracy" in tags:
         return float(tags["eval.accuracy"])
     local = checkpoints.local_copy(root, checkpoint_uri(registered))
     scored = evaluate_checkpoint(local, prompts, verify, config, train_dtype, policy_version=None)
     tracker.tag_model_version(name, champion, precision_tags(scored))
-    return float(scored["eval/accuracy"])
-
-
-def precision_tags(result: dict) -> dict[str, float | str]:
-    """Tags keyed by engine and dtype (``eval.vllm.bfloat16.accuracy``), so evaluations of one model
-    version at several serving precisions sit side by side instead of overwriting each other."""
-    where = f"eval.{result['eval/engine']}.{result['eval/dtype']}"
-    return {
-        f"{where}.accuracy": result["eval/accuracy"],
-        f"{where}.accuracy_train_precision": result["eval/accuracy_train_precision"],
-        f"{where}.serving_gap": result["eval/serving_gap"],
-        f"{where}.prompts": result["eval/prompts"],
-    }
+    return scored.accuracy
 
 
 def run_evaluate_version(
@@ -331,13 +294,16 @@ def run_evaluate_version(
     round_tag = str(registered.tags.get("round", ""))
     # With its policy version known, the version is scored on the live serving engine when this
     # process has one of that kind and dtype (weights swapped in place) instead of starting another.
-    result = evaluate_checkpoint(
+    scores = evaluate_checkpoint(
         local, held_out, verify, config, train_dtype, policy_version=int(round_tag) if round_tag.isdigit() else None
     )
-    tags = precision_tags(result)
+    tags = precision_tags(scores)
     if "eval.accuracy" not in registered.tags:  # never evaluated: this becomes its evaluation
-        tags.update(evaluation_tags(result))
+        tags.update(evaluation_tags(scores))
     tracker.tag_model_version(name, version, tags)
     return VersionEvaluation(
-        model_version=model_version, checkpoint=checkpoint_uri(registered), train_dtype=train_dtype, stats=result
+        **scores.model_dump(),
+        model_version=model_version,
+        checkpoint=checkpoint_uri(registered),
+        train_dtype=train_dtype,
     )

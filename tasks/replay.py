@@ -223,13 +223,16 @@ def run_publish_replay(
         line=plan.line,
     )
     version = tracker.register(plan.model_name, checkpoint, ctx.mlflow_run_id, {**tags, "kind": REPLAY_KIND})
-    evaluation: Stats = {}
+    scores = None
     if evaluate is not None:
         held_out = evaluation_prompts(prompts, evaluate.source)
-        evaluation = evaluate_checkpoint(checkpoints.local_copy(root, checkpoint), held_out, verify, evaluate)
-        tracker.tag_model_version(plan.model_name, version, evaluation_tags(evaluation))
+        scores = evaluate_checkpoint(checkpoints.local_copy(root, checkpoint), held_out, verify, evaluate)
+        tracker.tag_model_version(plan.model_name, version, evaluation_tags(scores))
     describe_version(tracker, root, f"{plan.model_name}/{version}")
+    evaluation = scores.metrics() if scores is not None else {}
     numeric = {k: float(v) for k, v in {**train_stats, **evaluation}.items() if isinstance(v, (int, float))}
     tracker.log(ctx.mlflow_run_id, metrics=numeric, step=ctx.round)
     tracker.finish(ctx.mlflow_run_id)
-    return Published(model_version=f"{plan.model_name}/{version}", stats=numeric)
+    return Published(
+        model_version=f"{plan.model_name}/{version}", stats=numeric, accuracy=scores.accuracy if scores else None
+    )

@@ -9,9 +9,11 @@ stage's resume key. Every other parameter is an input.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
 Stats = dict[str, int | float | str]
 """Figures a stage reports, under their stage prefix (``rollout/``, ``train/``, ``eval/`` ...)."""
@@ -99,27 +101,116 @@ class Trained(StageResult):
     resumed: bool = False
 
 
+EVAL_PREFIX = "eval/"
+"""Every held-out score and gate verdict is logged as ``eval/<field>``."""
+
+
+def _eval_metrics(result: StageResult, fields: Iterable[str]) -> Stats:
+    """``result``'s ``fields`` as logged metrics: booleans as 0.0/1.0, a field without a value left out."""
+    values = ((name, getattr(result, name)) for name in fields)
+    return {EVAL_PREFIX + name: float(v) if isinstance(v, bool) else v for name, v in values if v is not None}
+
+
 class Published(StageResult):
     """A checkpoint registered in the MLflow registry (and evaluated, for the base and replays)."""
 
     model_version: str
     """'NAME/VERSION', or 'none' when nothing was registered."""
     stats: Stats
+    accuracy: float | None = None
+    """Its held-out accuracy at serving precision when this stage evaluated it (the base, as round 0; a
+    replay); None otherwise."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _accuracy_of_older_records(cls, data: Any) -> Any:
+        # records written before the field existed held the accuracy only among the stats
+        if isinstance(data, dict) and "accuracy" not in data and f"{EVAL_PREFIX}accuracy" in data.get("stats", {}):
+            return {**data, "accuracy": data["stats"][f"{EVAL_PREFIX}accuracy"]}
+        return data
 
 
-class Evaluation(StageResult):
-    """A checkpoint's held-out scores at serving and training precision (``eval/`` stats)."""
+class HeldOutScores(StageResult):
+    """A checkpoint's greedy scores on the held-out prompts: on the engine and at the dtype it is served
+    with, and at training precision (the same figure when those are one and the same)."""
 
-    stats: Stats
+    accuracy: float
+    """Share of held-out prompts the verifier scored a success, at serving precision; what the champion
+    gate and ``stop_at_accuracy`` compare."""
+    prompts: int
+    """Held-out prompts scored."""
+    infra_failures: int
+    """Prompts the verifier could not score (counted as not a success)."""
+    mean_tokens: float
+    """Mean greedy answer length in tokens, at serving precision."""
+    engine: str
+    """Serving engine the accuracy was measured on."""
+    dtype: str
+    """Serving precision the accuracy was measured at."""
+    accuracy_train_precision: float
+    """Accuracy on the embedded engine at training precision."""
+    serving_gap: float
+    """``accuracy`` less ``accuracy_train_precision``."""
+
+    def metrics(self) -> Stats:
+        """The ``eval/`` figures logged to MLflow."""
+        return _eval_metrics(self, HeldOutScores.model_fields)
 
 
-class VersionEvaluation(StageResult):
+class Evaluation(HeldOutScores):
+    """The evaluate stage: a checkpoint's held-out scores and the champion gate's verdict on them."""
+
+    champion_accuracy: float | None = None
+    """The champion's accuracy at the same engine and dtype; None when there was no other champion."""
+    promoted: bool
+    """The champion alias moved to this checkpoint."""
+    gate_passed: bool
+    """Its accuracy was not below the champion's (promoted unless a person has to approve)."""
+    approved: bool | None = None
+    """A person's decision (``evaluate.approval: required``); None when nobody was asked."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fields_of_older_records(cls, data: Any) -> Any:
+        # records written before these results were typed held {"stats": {"eval/<field>": value}}
+        if isinstance(data, dict) and set(data) == {"stats"}:
+            return {key.removeprefix(EVAL_PREFIX): value for key, value in data["stats"].items()}
+        return data
+
+    def metrics(self) -> Stats:
+        """The ``eval/`` figures logged to MLflow, the gate's verdict among them."""
+        return _eval_metrics(self, Evaluation.model_fields)
+
+    def decided(self, promotion: Promotion) -> Evaluation:
+        """This evaluation once a person has decided on the promotion."""
+        return self.model_copy(update={"promoted": promotion.approved, "approved": promotion.approved})
+
+
+class Promotion(StageResult):
+    """A person's decision on promoting a checkpoint that passed the gate (the promote stage)."""
+
+    approved: bool
+    """Approved, and so promoted; a rejection or no answer in time is False."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fields_of_older_records(cls, data: Any) -> Any:
+        # records written before this result was typed held {"stats": {"eval/promoted": x, "eval/approved": x}}
+        if isinstance(data, dict) and set(data) == {"stats"}:
+            return {"approved": data["stats"][f"{EVAL_PREFIX}approved"]}
+        return data
+
+    def metrics(self) -> Stats:
+        """The ``eval/`` figures logged to MLflow: the promotion, and the decision that made it."""
+        return {f"{EVAL_PREFIX}promoted": float(self.approved), f"{EVAL_PREFIX}approved": float(self.approved)}
+
+
+class VersionEvaluation(HeldOutScores):
     """A registered model version scored again (``rlrounds eval``)."""
 
     model_version: str
     checkpoint: str
     train_dtype: str
-    stats: Stats
 
 
 class RoundRecord(StageResult):

@@ -105,7 +105,7 @@ def test_an_evaluated_round_version_carries_its_description(tmp_path, tiny_polic
     try:
         stats = run_evaluate(ctx=ctx, config=EvaluateConfig(), prompts=PromptsConfig(),
                              verify=VerifyConfig(verifier="addition"), checkpoint=tiny_policy_dir,
-                             model_version=f"desc-policy/{version}").stats
+                             model_version=f"desc-policy/{version}").metrics()
     finally:
         drop_serving_engines()
     db = f"sqlite:///{storage}/mlflow.db"

@@ -99,7 +99,7 @@ def _evaluate(registry, k: int, mode: str, model_version: str, config: EvaluateC
         verify=JUDGE,
         checkpoint=checkpoint,
         model_version=model_version,
-    ).stats
+    ).metrics()
 
 
 def _champion(registry) -> str:
@@ -154,7 +154,7 @@ def test_rlrounds_eval_and_replay_never_move_the_alias(registry):
     scored = run_evaluate_version(
         storage=registry["storage"], model_version=v2, config=EvaluateConfig(), prompts=PromptsConfig(), verify=JUDGE
     )
-    assert scored.stats["eval/accuracy"] == 1.0 and _champion(registry) == v1
+    assert scored.metrics()["eval/accuracy"] == 1.0 and _champion(registry) == v1
     ctx = RoundContext(
         storage=registry["storage"],
         run_id="replay-x",

@@ -5,7 +5,7 @@ import pytest
 from pydantic import ValidationError
 
 from flows.config import CampaignConfig, RoundConfig, load_campaign_config
-from tasks.evaluate import other_line
+from tasks.gate import other_line
 from tasks.publish import PublishConfig, promotion_line
 
 

@@ -14,18 +14,17 @@ import time
 import uuid
 
 from prefect import flow
-from prefect.runtime import flow_run
 
 from flows.config import CampaignConfig
 from flows.progress import StageProgress, artifact_key, publish_rounds_table, stage_logger
-from flows.round import run_round
+from flows.round import open_round, run_round
 from flows.stages import Stages
-from flows.tasks import open_round_task, preflight_task, prepare_base_task, register_base_task
+from flows.tasks import preflight_task, prepare_base_task, register_base_task
 from storage.campaigns import Owner, assert_owner, claim, release
 from storage.paths import StorageRoot
 from storage.settings import settings
-from tasks.context import RoundContext
 from tasks.engines import released_engines
+from tasks.start import StartPoint
 
 log = logging.getLogger("rlrounds")
 
@@ -115,38 +114,29 @@ def rl_campaign(
         log.info("resuming campaign %s (takeover %d)", run_id, owner.generation)
     try:
         with released_engines():  # the serving engine lives as long as the campaign, not the worker process
-            return _rounds(config, storage, run_id, code_version(), owner)
+            return campaign_rounds(config, storage, run_id, code_version(), owner)
     finally:
         release(owner)
 
 
-def _rounds(config: CampaignConfig, storage: str, run_id: str, version: str, owner: Owner) -> dict:
+def campaign_rounds(config: CampaignConfig, storage: str, run_id: str, version: str, owner: Owner) -> dict:
+    """Round 0 (the base policy, registered and evaluated once), then rounds 1 to ``config.rounds``."""
     rc = config.round
     building = StageProgress("base build", artifact_key(run_id, "base-build"), "building the base policy")
     stage_logger().info("base policy %s: preparing (built on first use, then cached)", rc.policy.base_model)
     base = prepare_base_task(storage=storage, base_model=rc.policy.base_model, progress=building)
     building.done()
-    runs = open_round_task(
+    ctx0 = open_round(
+        rc,
         storage=storage,
-        experiment=config.experiment,
         run_id=run_id,
         round_index=0,
-        params={"config_hash": rc.config_hash(), "rounds": config.rounds},
-    )
-    ctx0 = RoundContext(
-        storage=storage,
-        run_id=run_id,
-        round=0,
         experiment=config.experiment,
         parent_checkpoint=base.checkpoint,
-        parent_policy_version=0,
         parent_model_version="none",
         base_model=base.base_model,
-        config_hash=rc.config_hash(),
         code_version=version,
-        flow_run_id=str(flow_run.id or "none"),
-        mlflow_run_id=runs.round_run,
-        seed=rc.seed,
+        params={"rounds": config.rounds},
     )
     round0 = Stages(ctx0).run(
         "base",
@@ -160,20 +150,40 @@ def _rounds(config: CampaignConfig, storage: str, run_id: str, version: str, own
     log.info("round 0 (base %s): held-out accuracy %.1f%%", base.base_model, 100 * round0.accuracy)
     history = [{"round": 0, "model_version": round0.model_version, "accuracy": round0.accuracy}]
     publish_rounds_table(run_id, history)
-    parent_checkpoint, parent_version = base.checkpoint, round0.model_version
-    for k in range(1, config.rounds + 1):
+    registered_base = StartPoint(
+        model_version=round0.model_version, checkpoint=base.checkpoint, round=0, base_model=base.base_model
+    )
+    final_version = run_rounds(config, storage, run_id, version, owner, registered_base, history)
+    return {"run_id": run_id, "storage": storage, "rounds": history, "final_model_version": final_version}
+
+
+def run_rounds(
+    config: CampaignConfig,
+    storage: str,
+    run_id: str,
+    version: str,
+    owner: Owner,
+    start: StartPoint,
+    history: list[dict],
+) -> str:
+    """Rounds ``start.round + 1`` to ``start.round + config.rounds``, the first from ``start``, each
+    next one from the previous one's checkpoint, until ``config.stop_at_accuracy`` is reached. Each
+    finished round is added to ``history`` (and the rounds table); returns the last model version."""
+    last = start.round + config.rounds
+    parent_checkpoint, parent_version = start.checkpoint, start.model_version
+    for k in range(start.round + 1, last + 1):
         assert_owner(StorageRoot.of(storage), run_id, owner)  # a process that lost a takeover stops here
         result = run_round(
-            rc,
+            config.round,
             storage=storage,
             run_id=run_id,
             round_index=k,
             experiment=config.experiment,
             parent_checkpoint=parent_checkpoint,
             parent_model_version=parent_version,
-            base_model=base.base_model,
+            base_model=start.base_model,
             code_version=version,
-            next_round=k < config.rounds,
+            next_round=k < last,
             stop_at_accuracy=config.stop_at_accuracy,
         )
         s = result.stats
@@ -201,7 +211,7 @@ def _rounds(config: CampaignConfig, storage: str, run_id: str, version: str, own
                 100 * config.stop_at_accuracy,
             )
             break
-    return {"run_id": run_id, "storage": storage, "rounds": history, "final_model_version": parent_version}
+    return parent_version
 
 
 def round_line(k: int, s: dict, accuracy: float, resumed_stages: list[str]) -> str:

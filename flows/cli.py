@@ -14,7 +14,7 @@ import sys
 import time
 import uuid
 
-from flows.cli_data import add_commands
+from flows.cli_data import add_commands, model_version_arg, storage_arg
 from flows.errors import UserError
 
 EXIT_USAGE = 2
@@ -247,10 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--preset",
         help="start from a config shipped with rlrounds, e.g. long-tail (see `rlrounds config --preset NAME`)",
     )
-    run.add_argument(
-        "--storage",
-        help="storage root: a directory or s3://bucket/prefix (default $RLROUNDS_STORAGE or ./rlrounds-data)",
-    )
+    storage_arg(run)
     run.add_argument("--run-id", help="campaign id (default: a fresh one)")
     run.add_argument(
         "--resume",
@@ -274,7 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate = sub.add_parser(
         "eval", help="score a model version at a serving engine/precision and at training precision"
     )
-    evaluate.add_argument("model_version", help="registered model version, NAME/VERSION")
+    model_version_arg(evaluate)
     evaluate.add_argument(
         "--engine", choices=["embedded", "vllm"], help="serving engine (default: the config's evaluate.serving_engine)"
     )
@@ -284,9 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="serving precision (default: evaluate.serving_dtype)",
     )
     evaluate.add_argument("--config", help="campaign config whose evaluate, prompts and verify sections apply")
-    evaluate.add_argument(
-        "--storage", help="storage root the rounds ran on (default $RLROUNDS_STORAGE or ./rlrounds-data)"
-    )
+    storage_arg(evaluate, help="storage root the rounds ran on (default $RLROUNDS_STORAGE or ./rlrounds-data)")
     evaluate.set_defaults(func=cmd_eval)
 
     config = sub.add_parser(

@@ -12,6 +12,8 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 
 def add_commands(sub) -> None:
@@ -19,97 +21,110 @@ def add_commands(sub) -> None:
 
     trajectories = sub.add_parser("trajectories", help="list, inspect and export committed trajectory versions")
     tsub = trajectories.add_subparsers(dest="trajectories_command", required=True)
-    listing = tsub.add_parser("list", help="every committed trajectory version under the storage root")
-    listing.add_argument("--run", help="only versions of this campaign run id")
-    _storage_arg(listing)
-    listing.set_defaults(func=cmd_list)
-    show = tsub.add_parser(
-        "show", help="schema, counts, rewards, outcomes, lengths, policy versions and parents of a version"
-    )
-    show.add_argument("version", help="version id or a unique prefix (6+ characters)")
-    show.add_argument("--json", action="store_true", help="print the summary as JSON")
-    _storage_arg(show)
-    show.set_defaults(func=cmd_show)
-    export = tsub.add_parser("export", help="write a version's rows to one JSONL or Parquet file")
-    export.add_argument("version", help="version id or a unique prefix (6+ characters)")
-    export.add_argument("path", help="output file (a local path or an fsspec URI)")
-    export.add_argument("--format", required=True, choices=["jsonl", "parquet"], help="output format")
-    _storage_arg(export)
-    export.set_defaults(func=cmd_export)
+    with storage_command(tsub, "list", cmd_list, "every committed trajectory version under the storage root") as c:
+        c.add_argument("--run", help="only versions of this campaign run id")
+    with storage_command(
+        tsub, "show", cmd_show, "schema, counts, rewards, outcomes, lengths, policy versions and parents of a version"
+    ) as c:
+        version_arg(c)
+        c.add_argument("--json", action="store_true", help="print the summary as JSON")
+    with storage_command(tsub, "export", cmd_export, "write a version's rows to one JSONL or Parquet file") as c:
+        version_arg(c)
+        c.add_argument("path", help="output file (a local path or an fsspec URI)")
+        c.add_argument("--format", required=True, choices=["jsonl", "parquet"], help="output format")
 
-    refilter = sub.add_parser("refilter", help="select rows of a version with SQL (DuckDB) into a derived version")
-    refilter.add_argument("version", help="version id or a unique prefix (6+ characters)")
-    refilter.add_argument(
-        "--where",
-        required=True,
-        help="SQL predicate over trajectory columns, e.g. \"len(completion_token_ids) <= 4 AND outcome = 'success'\"",
-    )
-    refilter.add_argument(
-        "--regroup",
-        action="store_true",
-        help="recompute advantages within the remaining groups and re-drop zero-variance groups",
-    )
-    refilter.add_argument("--target-groups", type=int, help="with --regroup: keep only the first N trainable groups")
-    _storage_arg(refilter)
-    refilter.set_defaults(func=cmd_refilter)
+    with storage_command(
+        sub, "refilter", cmd_refilter, "select rows of a version with SQL (DuckDB) into a derived version"
+    ) as c:
+        version_arg(c)
+        c.add_argument(
+            "--where",
+            required=True,
+            help="SQL predicate over trajectory columns, e.g. "
+            "\"len(completion_token_ids) <= 4 AND outcome = 'success'\"",
+        )
+        c.add_argument(
+            "--regroup",
+            action="store_true",
+            help="recompute advantages within the remaining groups and re-drop zero-variance groups",
+        )
+        c.add_argument("--target-groups", type=int, help="with --regroup: keep only the first N trainable groups")
 
-    reverify = sub.add_parser("reverify", help="verify selected rows of a version again into a derived version")
-    reverify.add_argument("version", help="version id or a unique prefix (6+ characters)")
-    reverify.add_argument(
-        "--where",
-        default=None,
-        help="SQL predicate choosing the rows to verify again (default: \"outcome = 'infra_failure'\")",
-    )
-    reverify.add_argument("--verifier", help="verifier name (default: the one recorded on the rows)")
-    _storage_arg(reverify)
-    reverify.set_defaults(func=cmd_reverify)
+    with storage_command(
+        sub, "reverify", cmd_reverify, "verify selected rows of a version again into a derived version"
+    ) as c:
+        version_arg(c)
+        c.add_argument(
+            "--where",
+            default=None,
+            help="SQL predicate choosing the rows to verify again (default: \"outcome = 'infra_failure'\")",
+        )
+        c.add_argument("--verifier", help="verifier name (default: the one recorded on the rows)")
 
-    replay = sub.add_parser("replay", help="train on a stored trajectory version from a registered model version")
-    replay.add_argument("--trajectories", required=True, help="trajectory version id or unique prefix")
-    replay.add_argument("--from-model", required=True, help="registered model version to start from, NAME/VERSION")
-    replay.add_argument(
-        "--config",
-        help="campaign config file the round ran with (default: the training config recorded with the round)",
-    )
-    replay.add_argument("--model-name", help="registered model name for the result (default: the parent's)")
-    replay.add_argument("--no-evaluate", action="store_true", help="skip the held-out evaluation of the result")
-    _storage_arg(replay)
-    replay.set_defaults(func=cmd_replay)
+    with storage_command(
+        sub, "replay", cmd_replay, "train on a stored trajectory version from a registered model version"
+    ) as c:
+        c.add_argument("--trajectories", required=True, help="trajectory version id or unique prefix")
+        c.add_argument("--from-model", required=True, help="registered model version to start from, NAME/VERSION")
+        c.add_argument(
+            "--config",
+            help="campaign config file the round ran with (default: the training config recorded with the round)",
+        )
+        c.add_argument("--model-name", help="registered model name for the result (default: the parent's)")
+        c.add_argument("--no-evaluate", action="store_true", help="skip the held-out evaluation of the result")
 
-    lineage = sub.add_parser("lineage", help="walk a model version's parents back to the base policy")
-    lineage.add_argument("model_version", help="registered model version, NAME/VERSION")
-    lineage.add_argument("--json", action="store_true", help="print the steps as JSON")
-    _storage_arg(lineage)
-    lineage.set_defaults(func=cmd_lineage)
+    with storage_command(sub, "lineage", cmd_lineage, "walk a model version's parents back to the base policy") as c:
+        model_version_arg(c)
+        c.add_argument("--json", action="store_true", help="print the steps as JSON")
 
-    server = sub.add_parser(
+    with storage_command(
+        sub,
         "tracking-server",
-        help="serve the storage root's MLflow store over HTTP, for rounds on many processes or hosts "
+        cmd_tracking_server,
+        "serve the storage root's MLflow store over HTTP, for rounds on many processes or hosts "
         "(they set RLROUNDS_MLFLOW_URI to its address)",
-    )
-    server.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0 for other hosts)")
-    server.add_argument("--port", type=int, default=5000, help="port to listen on (default 5000)")
-    server.add_argument("--workers", type=int, default=2, help="server worker processes (default 2)")
-    _storage_arg(server)
-    server.set_defaults(func=cmd_tracking_server)
+    ) as c:
+        c.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0 for other hosts)")
+        c.add_argument("--port", type=int, default=5000, help="port to listen on (default 5000)")
+        c.add_argument("--workers", type=int, default=2, help="server worker processes (default 2)")
 
-    gc = sub.add_parser("gc", help="remove uncommitted leftovers (never a committed version or checkpoint)")
-    gc.add_argument(
-        "--grace",
-        type=float,
-        default=DEFAULT_GRACE_S,
-        help=f"only leftovers untouched for this many seconds (default {DEFAULT_GRACE_S:.0f}: a day)",
-    )
-    gc.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
-    _storage_arg(gc)
-    gc.set_defaults(func=cmd_gc)
+    with storage_command(
+        sub, "gc", cmd_gc, "remove uncommitted leftovers (never a committed version or checkpoint)"
+    ) as c:
+        c.add_argument(
+            "--grace",
+            type=float,
+            default=DEFAULT_GRACE_S,
+            help=f"only leftovers untouched for this many seconds (default {DEFAULT_GRACE_S:.0f}: a day)",
+        )
+        c.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
 
 
-def _storage_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--storage",
-        help="storage root: a directory or s3://bucket/prefix (default $RLROUNDS_STORAGE or ./rlrounds-data)",
-    )
+# Arguments several commands take (here and in flows/cli.py), declared once so they read the same everywhere.
+STORAGE_HELP = "storage root: a directory or s3://bucket/prefix (default $RLROUNDS_STORAGE or ./rlrounds-data)"
+
+
+@contextmanager
+def storage_command(
+    sub, name: str, func: Callable[[argparse.Namespace], int], help: str
+) -> Iterator[argparse.ArgumentParser]:
+    """A command over a storage root: the block adds its own arguments, then --storage comes last."""
+    parser = sub.add_parser(name, help=help)
+    yield parser
+    storage_arg(parser)
+    parser.set_defaults(func=func)
+
+
+def storage_arg(parser: argparse.ArgumentParser, help: str = STORAGE_HELP) -> None:
+    parser.add_argument("--storage", help=help)
+
+
+def version_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("version", help="version id or a unique prefix (6+ characters)")
+
+
+def model_version_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_version", help="registered model version, NAME/VERSION")
 
 
 def _root(args: argparse.Namespace):

@@ -82,14 +82,9 @@ def rl_round(config: RoundConfig, storage: str, run_id: str, round_index: int, e
     """One round. ``next_round``: another round follows (overlap mode starts its rollout here);
     ``stop_at_accuracy``: the campaign stops after this round at that accuracy (so none follows)."""
     clock = _Clock()
-    runs = open_round_task(storage=storage, experiment=experiment, run_id=run_id, round_index=round_index,
-                           params={"config_hash": config.config_hash()})
-    ctx = RoundContext(
-        storage=storage, run_id=run_id, round=round_index, experiment=experiment, parent_checkpoint=parent_checkpoint,
-        parent_policy_version=round_index - 1, parent_model_version=parent_model_version, base_model=base_model,
-        config_hash=config.config_hash(), code_version=code_version, flow_run_id=str(flow_run.id or "none"),
-        mlflow_run_id=runs.round_run, seed=config.seed,
-    )
+    ctx = open_round(config, storage=storage, run_id=run_id, round_index=round_index, experiment=experiment,
+                     parent_checkpoint=parent_checkpoint, parent_model_version=parent_model_version,
+                     base_model=base_model, code_version=code_version)
     stage = Stages(ctx)  # each stage runs once per (run, round, inputs); a resumed round skips the recorded ones
     clock.lap("open")
 
@@ -167,6 +162,22 @@ def rl_round(config: RoundConfig, storage: str, run_id: str, round_index: int, e
     return RoundResult(round=round_index, checkpoint=trained.checkpoint, model_version=published.model_version,
                        trajectory_version=trajectories.version, stats=stats, evaluation=evaluation,
                        resumed_stages=stage.skipped)
+
+
+def open_round(config: RoundConfig, *, storage: str, run_id: str, round_index: int, experiment: str,
+               parent_checkpoint: str, parent_model_version: str, base_model: str, code_version: str,
+               params: dict | None = None) -> RoundContext:
+    """Open round ``round_index``'s MLflow run (``params`` logged beside the config hash) and return the
+    context its stages run under. The parent is round ``round_index - 1``'s policy; round 0, the base
+    registered before any training, starts from itself (policy version 0)."""
+    runs = open_round_task(storage=storage, experiment=experiment, run_id=run_id, round_index=round_index,
+                           params={"config_hash": config.config_hash(), **(params or {})})
+    return RoundContext(
+        storage=storage, run_id=run_id, round=round_index, experiment=experiment, parent_checkpoint=parent_checkpoint,
+        parent_policy_version=max(round_index - 1, 0), parent_model_version=parent_model_version,
+        base_model=base_model, config_hash=config.config_hash(), code_version=code_version,
+        flow_run_id=str(flow_run.id or "none"), mlflow_run_id=runs.round_run, seed=config.seed,
+    )
 
 
 @contextmanager

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from prefect import flow
 
-from flows.campaign import _rounds, code_version, new_run_id
+from flows.campaign import campaign_rounds, code_version, new_run_id, run_rounds
 from flows.config import CampaignConfig, RoundConfig
-from flows.round import run_round
 from flows.tasks import preflight_task, resolve_start_task
 from storage.campaigns import claim, read_campaign, release
 from storage.paths import StorageRoot
@@ -58,30 +57,10 @@ def rl_round_from(
     try:
         with released_engines():
             if resolved == BASE:  # the base registered as round 0, then rounds 1..N: a campaign from the base
-                return _rounds(campaign, root.uri, run_id, code_version(), owner)
+                return campaign_rounds(campaign, root.uri, run_id, code_version(), owner)
             parent = resolve_start_task(storage=root.uri, start=resolved)
-            checkpoint, model_version, history = parent.checkpoint, parent.model_version, []
-            for k in range(parent.round + 1, parent.round + 1 + rounds):
-                result = run_round(
-                    config,
-                    storage=root.uri,
-                    run_id=run_id,
-                    round_index=k,
-                    experiment=experiment,
-                    parent_checkpoint=checkpoint,
-                    parent_model_version=model_version,
-                    base_model=parent.base_model,
-                    code_version=code_version(),
-                )
-                checkpoint, model_version = result.checkpoint, result.model_version
-                history.append(
-                    {
-                        "round": result.round,
-                        "model_version": result.model_version,
-                        "accuracy": result.evaluation.accuracy,
-                        "trajectory_version": result.trajectory_version,
-                    }
-                )
+            history: list[dict] = []
+            final_version = run_rounds(campaign, root.uri, run_id, code_version(), owner, parent, history)
     finally:
         release(owner)
     return {
@@ -89,5 +68,5 @@ def rl_round_from(
         "storage": root.uri,
         "start": parent.model_version,
         "rounds": history,
-        "final_model_version": model_version,
+        "final_model_version": final_version,
     }

@@ -60,17 +60,8 @@ def run_register_base(
     tracker = Tracker.connect(settings(), StorageRoot.of(ctx.storage))
     model_version = None
     if publish.register_base:
-        tags = lineage_tags(
-            round_index=0,
-            run_id=ctx.run_id,
-            parent_model_version="none",
-            trajectory_version="none",
-            base_model=ctx.base_model,
-            config_hash=ctx.config_hash,
-            code_version=ctx.code_version,
-            prefect_flow_run_id=ctx.flow_run_id,
-            line=publish.line or "",
-        )
+        # round 0's context names no parent ('none') and the base trained on no trajectories
+        tags = lineage_tags(ctx, trajectory_version="none", line=publish.line or "")
         name = publish.registered_name
         version = tracker.register(name, ctx.parent_checkpoint, ctx.mlflow_run_id, tags)
         model_version = f"{name}/{version}"

@@ -83,29 +83,19 @@ def _slug(text: str, limit: int) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-._")[:limit]
 
 
-def lineage_tags(
-    *,
-    round_index: int,
-    run_id: str,
-    parent_model_version: str,
-    trajectory_version: str,
-    base_model: str,
-    config_hash: str,
-    code_version: str,
-    prefect_flow_run_id: str,
-    line: str,
-) -> dict[str, str]:
-    """The tags every registered checkpoint carries (DESIGN.md, Lineage), and its promotion line."""
+def lineage_tags(ctx: RoundContext, *, trajectory_version: str, line: str) -> dict[str, str]:
+    """The tags every registered checkpoint carries (DESIGN.md, Lineage), and its promotion line: the
+    round's identity comes from its context, so every registration tags the same fields the same way."""
     return {
         LINE_TAG: line,
-        "round": str(round_index),
-        "run_id": run_id,
-        "parent_model_version": parent_model_version,
+        "round": str(ctx.round),
+        "run_id": ctx.run_id,
+        "parent_model_version": ctx.parent_model_version,
         "trajectory_version": trajectory_version,
-        "base_model": base_model,
-        "config_hash": config_hash,
-        "code_version": code_version,
-        "prefect_flow_run_id": prefect_flow_run_id,
+        "base_model": ctx.base_model,
+        "config_hash": ctx.config_hash,
+        "code_version": ctx.code_version,
+        "prefect_flow_run_id": ctx.flow_run_id,
     }
 
 
@@ -145,17 +135,7 @@ def run_publish(
     tracker.log_dataset(
         ctx.mlflow_run_id, f"trajectories-{ctx.run_id}-r{ctx.round}", trajectory_version, trajectory_uri
     )
-    tags = lineage_tags(
-        round_index=ctx.round,
-        run_id=ctx.run_id,
-        parent_model_version=ctx.parent_model_version,
-        trajectory_version=trajectory_version,
-        base_model=ctx.base_model,
-        config_hash=ctx.config_hash,
-        code_version=ctx.code_version,
-        prefect_flow_run_id=ctx.flow_run_id,
-        line=config.line or "",
-    )
+    tags = lineage_tags(ctx, trajectory_version=trajectory_version, line=config.line or "")
     name = config.registered_name
     version = tracker.register(name, checkpoint, ctx.mlflow_run_id, tags)
     registered = time.time()

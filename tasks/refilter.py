@@ -19,6 +19,7 @@ the same parent and predicate always give the same version, and running it again
 from __future__ import annotations
 
 from datetime import UTC
+from typing import TYPE_CHECKING
 
 from pydantic import Field
 
@@ -26,6 +27,12 @@ from tasks.config_base import Config
 from tasks.filter import FilterConfig, apply_decisions, decide, filter_stats
 from tasks.results import Reverified, TrajectoryVersion
 from tasks.verifiers.config import VerifyConfig
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+    from storage.paths import StorageRoot
+    from storage.trajectories import Manifest
 
 DERIVED_KIND = "derived"
 
@@ -70,13 +77,10 @@ def recorded_filter(chain) -> FilterConfig:
 
 def run_refilter(*, storage: str, request: RefilterRequest) -> TrajectoryVersion:
     """Select, optionally regroup, and commit the derived version; returns its id, URI and statistics."""
-    from storage.paths import StorageRoot
     from storage.query import select_rows
-    from storage.trajectories import find_version, parent_chain, read_table, rows_to_table, write_version
+    from storage.trajectories import parent_chain, rows_to_table
 
-    root = StorageRoot.of(storage)
-    parent = find_version(root, request.version)
-    table = read_table(root, parent).drop_columns(["trajectory_version"])
+    root, parent, table = read_parent(storage, request.version)
     selected = select_rows(table, request.where)
     config = None
     if request.regroup:
@@ -85,21 +89,41 @@ def run_refilter(*, storage: str, request: RefilterRequest) -> TrajectoryVersion
         selected = rows_to_table(
             regroup_rows(selected.to_pylist(), config, request.target_groups, recorded_policy_version(chain))
         )
+    derivation = {
+        "where": request.where,
+        "regroup": request.regroup,
+        "filter": config.model_dump(mode="json") if config else None,
+        "target_groups": request.target_groups if request.regroup else None,
+        "parent_rows": table.num_rows,
+    }
+    return commit_derived(root, parent, selected, derivation)
+
+
+def read_parent(storage: str, version: str) -> tuple[StorageRoot, Manifest, pa.Table]:
+    """The storage root, the manifest of the version a derivation starts from, and its rows (without
+    the version column: the derived version gets its own)."""
+    from storage.paths import StorageRoot
+    from storage.trajectories import find_version, read_table
+
+    root = StorageRoot.of(storage)
+    parent = find_version(root, version)
+    return root, parent, read_table(root, parent).drop_columns(["trajectory_version"])
+
+
+def commit_derived(root: StorageRoot, parent: Manifest, rows: pa.Table, derivation: dict) -> TrajectoryVersion:
+    """Commit ``rows`` as a version derived from ``parent`` by ``derivation``. Its manifest keeps the
+    parent's run and round, so a derived version still says which rollout its rows came from."""
+    from storage.trajectories import write_version
+
     meta = {
         "kind": DERIVED_KIND,
         "run_id": parent.body.get("run_id"),
         "round": parent.body.get("round"),
         "parent": parent.version,
-        "derivation": {
-            "where": request.where,
-            "regroup": request.regroup,
-            "filter": config.model_dump(mode="json") if config else None,
-            "target_groups": request.target_groups if request.regroup else None,
-            "parent_rows": table.num_rows,
-        },
+        "derivation": derivation,
     }
-    manifest = write_version(root, root.derived_version, selected, meta)
-    stats = filter_stats(selected.select(["group_id", "kept", "drop_reason"]).to_pylist())
+    manifest = write_version(root, root.derived_version, rows, meta)
+    stats = filter_stats(rows.select(["group_id", "kept", "drop_reason"]).to_pylist())
     return TrajectoryVersion(version=manifest.version, uri=manifest.directory, parent=parent.version, stats=stats)
 
 
@@ -159,15 +183,12 @@ def run_reverify(*, storage: str, request: ReverifyRequest) -> Reverified:
     from collections import Counter
     from datetime import datetime
 
-    from storage.paths import StorageRoot
     from storage.query import select_rows
-    from storage.trajectories import find_version, parent_chain, read_table, rows_to_table, write_version
+    from storage.trajectories import parent_chain, rows_to_table
     from tasks.verifiers.pool import VerifierPool
     from tasks.verifiers.registry import get_verifier, verifier_version
 
-    root = StorageRoot.of(storage)
-    parent = find_version(root, request.version)
-    table = read_table(root, parent).drop_columns(["trajectory_version"])
+    root, parent, table = read_parent(storage, request.version)
     chosen_rows = select_rows(table, request.where).to_pylist()
     recorded = sorted({(r["verifier"] or {}).get("name") for r in chosen_rows} - {None})
     name = request.verify.verifier or (recorded[0] if len(recorded) == 1 else None)
@@ -189,31 +210,20 @@ def run_reverify(*, storage: str, request: ReverifyRequest) -> Reverified:
     rows = reverified_rows(table.to_pylist(), set(verdicts), verdicts, identity, config, recorded_policy_version(chain))
     before = dict(Counter(r["outcome"] for r in chosen_rows))
     after = dict(Counter(v.outcome.value for v, _ in verdicts.values()))
-    meta = {
-        "kind": DERIVED_KIND,
-        "run_id": parent.body.get("run_id"),
-        "round": parent.body.get("round"),
-        "parent": parent.version,
-        "derivation": {
-            "reverify": {
-                "where": request.where,
-                "verifier": identity,
-                "rows": len(chosen_rows),
-                "outcomes_before": before,
-                "outcomes_after": after,
-            },
-            "filter": config.model_dump(mode="json"),
-            "parent_rows": table.num_rows,
+    derivation = {
+        "reverify": {
+            "where": request.where,
+            "verifier": identity,
+            "rows": len(chosen_rows),
+            "outcomes_before": before,
+            "outcomes_after": after,
         },
+        "filter": config.model_dump(mode="json"),
+        "parent_rows": table.num_rows,
     }
-    derived = rows_to_table(rows)
-    manifest = write_version(root, root.derived_version, derived, meta)
-    stats = filter_stats(derived.select(["group_id", "kept", "drop_reason"]).to_pylist())
+    derived = commit_derived(root, parent, rows_to_table(rows), derivation)
     return Reverified(
-        version=manifest.version,
-        uri=manifest.directory,
-        parent=parent.version,
-        stats=stats,
+        **derived.model_dump(),
         rows=len(chosen_rows),
         verifier=identity,
         outcomes_before=before,

@@ -211,17 +211,7 @@ def run_publish_replay(
     tracker.log_dataset(
         ctx.mlflow_run_id, f"trajectories-{plan.trajectory_version}", plan.trajectory_version, plan.trajectory_uri
     )
-    tags = lineage_tags(
-        round_index=ctx.round,
-        run_id=ctx.run_id,
-        parent_model_version=ctx.parent_model_version,
-        trajectory_version=plan.trajectory_version,
-        base_model=ctx.base_model,
-        config_hash=ctx.config_hash,
-        code_version=ctx.code_version,
-        prefect_flow_run_id=ctx.flow_run_id,
-        line=plan.line,
-    )
+    tags = lineage_tags(ctx, trajectory_version=plan.trajectory_version, line=plan.line)
     version = tracker.register(plan.model_name, checkpoint, ctx.mlflow_run_id, {**tags, "kind": REPLAY_KIND})
     scores = None
     if evaluate is not None:

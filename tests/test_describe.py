@@ -94,13 +94,11 @@ def test_an_evaluated_round_version_carries_its_description(tmp_path, tiny_polic
     storage = str(tmp_path / "data")
     tracker = Tracker.connect(settings(), StorageRoot.of(storage))
     run = tracker.ensure_run(tracker.experiment_id("describe"), "describe", {"rlrounds.test": "describe"})
-    tags = lineage_tags(round_index=1, run_id="desc", parent_model_version="desc-policy/7",
-                        trajectory_version="0123456789ab", base_model="tiny", config_hash="h", code_version="test",
-                        prefect_flow_run_id="1234-abcd", line="addition")
-    version = tracker.register("desc-policy", tiny_policy_dir, run, tags)
     ctx = RoundContext(storage=storage, run_id="desc", round=1, experiment="describe", parent_checkpoint="unused",
                        parent_policy_version=0, parent_model_version="desc-policy/7", base_model="tiny",
                        config_hash="h", code_version="test", flow_run_id="1234-abcd", mlflow_run_id=run, seed=0)
+    tags = lineage_tags(ctx, trajectory_version="0123456789ab", line="addition")
+    version = tracker.register("desc-policy", tiny_policy_dir, run, tags)
     drop_serving_engines()
     try:
         stats = run_evaluate(ctx=ctx, config=EvaluateConfig(), prompts=PromptsConfig(),

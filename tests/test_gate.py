@@ -54,30 +54,19 @@ def registry(tmp_path, tiny_policy_dir, monkeypatch):
     run = tracker.ensure_run(tracker.experiment_id("gate"), "gate", {"rlrounds.test": "gate"})
 
     def register(k: int, line: str = "addition") -> str:
-        tags = lineage_tags(
-            round_index=k,
-            run_id="gate",
-            parent_model_version="none",
-            trajectory_version="none",
-            base_model="tiny",
-            config_hash="h",
-            code_version="test",
-            prefect_flow_run_id="none",
-            line=line,
-        )
+        tags = lineage_tags(_round_context(storage, run, k), trajectory_version="none", line=line)
         return f"{NAME}/{tracker.register(NAME, tiny_policy_dir, run, tags)}"
 
     yield {"storage": storage, "tracker": tracker, "run": run, "register": register, "judge": judge}
     drop_serving_engines()
 
 
-def _evaluate(registry, k: int, mode: str, model_version: str, config: EvaluateConfig | None = None) -> dict:
+def _round_context(storage: str, run: str, k: int):
+    """Round k of the campaign 'gate' (its parent registered nowhere)."""
     from tasks.context import RoundContext
-    from tasks.evaluate import run_evaluate
 
-    registry["judge"].mode = mode
-    ctx = RoundContext(
-        storage=registry["storage"],
+    return RoundContext(
+        storage=storage,
         run_id="gate",
         round=k,
         experiment="gate",
@@ -88,9 +77,16 @@ def _evaluate(registry, k: int, mode: str, model_version: str, config: EvaluateC
         config_hash="h",
         code_version="test",
         flow_run_id="none",
-        mlflow_run_id=registry["run"],
+        mlflow_run_id=run,
         seed=0,
     )
+
+
+def _evaluate(registry, k: int, mode: str, model_version: str, config: EvaluateConfig | None = None) -> dict:
+    from tasks.evaluate import run_evaluate
+
+    registry["judge"].mode = mode
+    ctx = _round_context(registry["storage"], registry["run"], k)
     checkpoint = registry["tracker"].model_version(*model_version.split("/")).source
     return run_evaluate(
         ctx=ctx,

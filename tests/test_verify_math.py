@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.verifiers import math as verify_math
+from tasks.verifiers import math as math_module
 from tasks.verifiers.config import VerifyConfig
 from tasks.verifiers.math import MathVerifier
 from tasks.verifiers.outcome import Outcome
@@ -104,7 +104,7 @@ def test_worker_killed_from_outside_is_replaced(math_verifier: MathVerifier) -> 
 
 
 def test_registered_as_math_with_the_configured_deadline() -> None:
-    assert verifier_version("math") == verify_math.VERSION
+    assert verifier_version("math") == math_module.VERSION
     verifier = get_verifier("math", VerifyConfig(math_timeout_s=2.5))
     try:
         assert verifier.timeout_s == 2.5  # verify.math_timeout_s reaches the verifier

@@ -263,7 +263,3 @@ def shared_verifier(timeout_s: float = 5.0) -> MathVerifier:
             atexit.register(_shared[timeout_s].close)
         return _shared[timeout_s]
 
-
-def verify_math(completion_text: str, reference: str) -> Verdict:
-    """The ``math`` verifier with the default deadline."""
-    return shared_verifier()(completion_text, reference)

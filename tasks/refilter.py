@@ -23,7 +23,7 @@ from datetime import UTC
 from pydantic import Field
 
 from tasks.config_base import Config
-from tasks.filter import FilterConfig, apply_decisions, decide, filter_stats
+from tasks.filter import DECISION_INPUTS, FilterConfig, apply_decisions, decide, filter_stats, with_decisions
 from tasks.results import Reverified, TrajectoryVersion
 from tasks.verifiers.config import VerifyConfig
 
@@ -72,7 +72,7 @@ def run_refilter(*, storage: str, request: RefilterRequest) -> TrajectoryVersion
     """Select, optionally regroup, and commit the derived version; returns its id, URI and statistics."""
     from storage.paths import StorageRoot
     from storage.query import select_rows
-    from storage.trajectories import find_version, parent_chain, read_table, rows_to_table, write_version
+    from storage.trajectories import find_version, parent_chain, read_table, write_version
 
     root = StorageRoot.of(storage)
     parent = find_version(root, request.version)
@@ -82,9 +82,11 @@ def run_refilter(*, storage: str, request: RefilterRequest) -> TrajectoryVersion
     if request.regroup:
         chain = parent_chain(root, parent)
         config = request.filter or recorded_filter(chain)
-        selected = rows_to_table(
-            regroup_rows(selected.to_pylist(), config, request.target_groups, recorded_policy_version(chain))
+        # decisions read a few light columns; the heavy ones (texts, logprobs) stay in Arrow, untouched
+        judged = regroup_rows(
+            selected.select(DECISION_INPUTS).to_pylist(), config, request.target_groups, recorded_policy_version(chain)
         )
+        selected = with_decisions(selected, judged)
     meta = {
         "kind": DERIVED_KIND,
         "run_id": parent.body.get("run_id"),

@@ -1,5 +1,10 @@
 """The trajectory store: Parquet parts plus a manifest, written last, that commits them.
 
+A row is a ``TrajectoryRow``; ``arrow_schema`` is its Parquet form, and every file of a version (parts
+and carry-over) is written with it, so its ``*.parquet`` files read as one table in any Parquet reader.
+Rollout builds rows, stages them (``stage_rollout``) for filter to commit; readers get Arrow tables in
+the current schema whatever minor version wrote the files (``conform``).
+
 A trajectory version is immutable and content-addressed: its id is a hash of the manifest body,
 which lists every part's sha256 and row count, the schema version, the version's parent and how it
 was derived. Parts are written first; the manifest is the commit. Readers trust only versions with a
@@ -8,7 +13,8 @@ manifest and verify every part's sha256 before parsing it.
 A round's version may carry attachments, files listed in the manifest with their sha256 and so
 committed with it: ``carryover.parquet`` holds the round's unfinished samples (partial rollouts and
 samples still waiting on the environment), which the next round resumes. They are not rows of the
-version (nothing trains on them there); ``read_carryover`` reads them, verified like a part.
+version (nothing trains on them there), and their ``carry_state`` says so; ``read_carryover`` reads
+them, verified like a part.
 
 Rows do not store their own ``trajectory_version`` (the id is a hash over the parts, so a part
 cannot contain it); readers attach it as a column from the manifest.

@@ -289,7 +289,7 @@ def run_filter(
         )
     table = read_staged(root, staging)
     # decisions need a few light columns; the heavy ones (texts, logprobs) stay in Arrow, untouched
-    rows = table.select([c for c in DECISION_INPUTS if c in table.column_names]).to_pylist()
+    rows = table.select(DECISION_INPUTS).to_pylist()
     attachments = {}
     if carryover is not None:  # the round's unfinished samples: committed with its version, resumed next round
         carry = read_staged_carryover(root, carryover)

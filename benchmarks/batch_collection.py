@@ -59,6 +59,7 @@ import json
 import os
 import statistics
 import time
+from dataclasses import asdict
 
 MODES = ("sync_barrier", "ready_pool", "partial_rollouts")
 
@@ -88,7 +89,7 @@ def slot_idle_seconds(rows: list[dict], start: float, end: float, slots: int) ->
     return idle + (end - at) * (1.0 - min(active, slots) / slots)
 
 
-def collection_round(engine, tokenizer, rc, mode: str, seed: int, round_index: int, carried: list[dict]) -> dict:
+def collection_round(engine, tokenizer, rc, mode: str, seed: int, round_index: int, carried: list) -> dict:
     from tasks.filter import apply_decisions, decide, length_bias
     from tasks.rollout import generate_and_verify
 
@@ -108,14 +109,15 @@ def collection_round(engine, tokenizer, rc, mode: str, seed: int, round_index: i
         carried_rows=carried,
     )
     end = time.time()
-    rows = apply_decisions(result.rows, decide(result.rows, rc.filter), rc.target_groups)
+    ready, carry_out = [asdict(r) for r in result.rows], [asdict(r) for r in result.carry_rows]
+    rows = apply_decisions(ready, decide(ready, rc.filter), rc.target_groups)
     kept_groups = {r["group_id"] for r in rows if r["kept"]}
     resumed_tokens = {  # tokens of carried-in prefixes were generated (and counted) in an earlier round
-        (r["group_id"], r["sample_index"]): len(r["completion_token_ids"]) for r in carried
+        (r.group_id, r.sample_index): len(r.completion_token_ids) for r in carried
     }
     generated = [
         len(r["completion_token_ids"]) - resumed_tokens.get((r["group_id"], r["sample_index"]), 0)
-        for r in rows + result.carry_rows
+        for r in rows + carry_out
     ]
     wasted = sum(
         len(r["completion_token_ids"]) - resumed_tokens.get((r["group_id"], r["sample_index"]), 0)
@@ -126,7 +128,7 @@ def collection_round(engine, tokenizer, rc, mode: str, seed: int, round_index: i
     return {
         "time_to_trainable_batch_s": end - start,
         "batch_ready_s": result.stats["rollout/batch_ready_at"] - start,
-        "idle_s": slot_idle_seconds(rows + result.carry_rows, start, end, rc.rollout.max_batch),
+        "idle_s": slot_idle_seconds(rows + carry_out, start, end, rc.rollout.max_batch),
         "decode_steps": engine.decode_steps - steps_before,
         "wasted_tokens": wasted,
         "generated_tokens": sum(generated),
@@ -145,7 +147,7 @@ def collection_round(engine, tokenizer, rc, mode: str, seed: int, round_index: i
 def collection(engine, tokenizer, rc, rounds: int, seed: int) -> dict[str, dict]:
     figures = {}
     for mode in MODES:
-        carried: list[dict] = []
+        carried: list = []
         per_round = []
         for k in range(1, rounds + 1):
             r = collection_round(engine, tokenizer, rc, mode, seed + k, k, carried)

@@ -47,7 +47,7 @@ def one_round(engine, tokenizer, groups: int, partial: bool, seed: int, inline: 
         "time_to_trainable_batch_s": result.stats["rollout/time_to_trainable_batch_s"],
         "rows": len(result.rows),
         "carried_samples": len(result.carry_rows),
-        "rows_hash": hash(tuple((r["group_id"], tuple(r["completion_token_ids"])) for r in result.rows)),
+        "rows_hash": hash(tuple((r.group_id, tuple(r.completion_token_ids)) for r in result.rows)),
     }
 
 

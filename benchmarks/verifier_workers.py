@@ -59,7 +59,7 @@ def main() -> None:
     engine = build_engine(rc.rollout.engine, source, rc.rollout.dtype, 0, rc.rollout.max_batch)
     tokenizer = load_tokenizer(source)
     seen: dict[int, list[dict]] = {w: [] for w in counts}
-    carried: dict[int, list[dict]] = {w: [] for w in counts}
+    carried: dict[int, list] = {w: [] for w in counts}
     for k in range(1, args.rounds + 1):
         for workers in counts:
             verify = rc.verify_resolved.model_copy(update={"workers": workers})

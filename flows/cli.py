@@ -12,7 +12,6 @@ import logging
 import os
 import sys
 import time
-import uuid
 
 from flows.cli_data import add_commands, model_version_arg, storage_arg
 from flows.errors import UserError
@@ -80,15 +79,12 @@ def _setup_logging() -> None:
 
 def check_storage_writable(uri: str) -> None:
     """Fail before anything is written if the storage root cannot take files."""
+    from storage.files import probe_writable
     from storage.paths import StorageRoot
 
     root = StorageRoot.of(uri)
-    probe = root.join(f".write-probe-{uuid.uuid4().hex}")
     try:
-        root.fs.makedirs(root.uri, exist_ok=True)
-        with root.fs.open(probe, "wb") as f:
-            f.write(b"ok")
-        root.fs.rm(probe)
+        probe_writable(root)
     except Exception as exc:  # noqa: BLE001 -- any failure means the root is unusable
         reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
         raise UserError(

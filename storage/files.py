@@ -71,6 +71,15 @@ def create_exclusive(root: StorageRoot, path: str, data: bytes) -> bool:
         ) from exc
 
 
+def probe_writable(root: StorageRoot) -> None:
+    """Write and remove a small file at the top of ``root``: raises whatever stops the store taking files."""
+    root.fs.makedirs(root.uri, exist_ok=True)
+    probe = root.join(f".write-probe-{secrets.token_hex(16)}")
+    with root.fs.open(probe, "wb") as f:
+        f.write(b"ok")
+    root.fs.rm(probe)
+
+
 class LeaseTimeout(TimeoutError):
     pass
 

@@ -1,5 +1,10 @@
 """The trajectory store: Parquet parts plus a manifest, written last, that commits them.
 
+A row is a ``TrajectoryRow``; ``arrow_schema`` is its Parquet form, and every file of a version (parts
+and carry-over) is written with it, so its ``*.parquet`` files read as one table in any Parquet reader.
+Rollout builds rows, stages them (``stage_rollout``) for filter to commit; readers get Arrow tables in
+the current schema whatever minor version wrote the files (``conform``).
+
 A trajectory version is immutable and content-addressed: its id is a hash of the manifest body,
 which lists every part's sha256 and row count, the schema version, the version's parent and how it
 was derived. Parts are written first; the manifest is the commit. Readers trust only versions with a
@@ -8,7 +13,8 @@ manifest and verify every part's sha256 before parsing it.
 A round's version may carry attachments, files listed in the manifest with their sha256 and so
 committed with it: ``carryover.parquet`` holds the round's unfinished samples (partial rollouts and
 samples still waiting on the environment), which the next round resumes. They are not rows of the
-version (nothing trains on them there); ``read_carryover`` reads them, verified like a part.
+version (nothing trains on them there), and their ``carry_state`` says so; ``read_carryover`` reads
+them, verified like a part.
 
 Rows do not store their own ``trajectory_version`` (the id is a hash over the parts, so a part
 cannot contain it); readers attach it as a column from the manifest.
@@ -20,14 +26,15 @@ import hashlib
 import io
 import json
 import posixpath
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from datetime import datetime
 from typing import Any
 
 from storage.files import write_atomic
 from storage.paths import CARRYOVER, MANIFEST, StorageRoot, child, manifest_of, part_name
 
-SCHEMA_VERSION = "1.1"  # 1.1: prompt_weight
+SCHEMA_VERSION = "1.2"  # 1.1: prompt_weight; 1.2: carry_state in every file of a version, so they share one schema
 ROWS_PER_PART = 50_000
 
 
@@ -39,74 +46,104 @@ class CorruptPartError(TrajectoryStoreError):
     pass
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrajectoryRow:
+    """One sample as the store holds it: its fields are the Parquet columns, in order (``arrow_schema``).
+
+    Rollout builds rows of this type (tasks/rows.py) and the store turns them into Arrow once. Null
+    fields: ``reward``/``outcome``/``verify_error`` before a verdict; ``advantage``/``kept``/``drop_reason``
+    until filter decides; ``carry_state`` except on carried-over samples; ``prompt_weight`` before 1.1.
+    """
+
+    schema_version: str = SCHEMA_VERSION
+    # identity
+    run_id: str
+    round: int
+    prompt_id: str
+    group_id: str
+    sample_index: int
+    # prompt
+    task: str
+    prompt_text: str
+    prompt_token_ids: list[int]
+    reference: str
+    prompt_weight: float | None  # the probability the curriculum drew the prompt with
+    # completion
+    completion_text: str
+    completion_token_ids: list[int]
+    rollout_logprobs: list[float]
+    token_policy_versions: list[int]
+    finish_reason: str  # stop | length | abort (a partial rollout's prefix)
+    engine: dict  # name, version, dtype
+    sampling: dict  # temperature, top_p, seed, max_tokens
+    # verification
+    verifier: dict  # name, version
+    reward: float | None
+    outcome: str | None
+    verify_error: str | None
+    # filtering
+    advantage: float | None = None
+    kept: bool | None = None
+    drop_reason: str | None = None
+    # timing
+    enqueued_at: datetime | None
+    started_at: datetime | None
+    finished_at: datetime | None
+    verified_at: datetime | None
+    gen_latency_s: float
+    verify_latency_s: float | None
+    # carry-over: partial | unverified | verified on a round's unfinished samples, null on its rows
+    carry_state: str | None = None
+
+
+COLUMNS = tuple(f.name for f in fields(TrajectoryRow))
+
+
 def arrow_schema():
+    """The Arrow form of ``TrajectoryRow``: one column per field, in field order. Every file of a
+    version (its parts and its carry-over) is written with it."""
     import pyarrow as pa
 
     ts = pa.timestamp("us", tz="UTC")
-    return pa.schema(
-        [
-            ("schema_version", pa.string()),
-            # identity
-            ("run_id", pa.string()),
-            ("round", pa.int32()),
-            ("prompt_id", pa.string()),
-            ("group_id", pa.string()),
-            ("sample_index", pa.int32()),
-            # prompt
-            ("task", pa.string()),
-            ("prompt_text", pa.string()),
-            ("prompt_token_ids", pa.list_(pa.int32())),
-            ("reference", pa.string()),
-            ("prompt_weight", pa.float64()),  # probability the curriculum drew the prompt with (null before 1.1)
-            # completion
-            ("completion_text", pa.string()),
-            ("completion_token_ids", pa.list_(pa.int32())),
-            ("rollout_logprobs", pa.list_(pa.float32())),
-            ("token_policy_versions", pa.list_(pa.int32())),
-            ("finish_reason", pa.string()),
-            ("engine", pa.struct([("name", pa.string()), ("version", pa.string()), ("dtype", pa.string())])),
-            (
-                "sampling",
-                pa.struct(
-                    [
-                        ("temperature", pa.float64()),
-                        ("top_p", pa.float64()),
-                        ("seed", pa.int64()),
-                        ("max_tokens", pa.int32()),
-                    ]
-                ),
-            ),
-            # verification
-            ("verifier", pa.struct([("name", pa.string()), ("version", pa.string())])),
-            ("reward", pa.float64()),
-            ("outcome", pa.string()),
-            ("verify_error", pa.string()),
-            # filtering
-            ("advantage", pa.float64()),
-            ("kept", pa.bool_()),
-            ("drop_reason", pa.string()),
-            # timing
-            ("enqueued_at", ts),
-            ("started_at", ts),
-            ("finished_at", ts),
-            ("verified_at", ts),
-            ("gen_latency_s", pa.float64()),
-            ("verify_latency_s", pa.float64()),
-        ]
-    )
-
-
-def carry_schema():
-    """A carry-over row: a trajectory row plus its state (partial | unverified | verified)."""
-    import pyarrow as pa
-
-    return arrow_schema().append(pa.field("carry_state", pa.string()))
-
-
-def carry_table(rows: list[dict]):
-    import pyarrow as pa
-
-    return pa.Table.from_pylist([{**r, "schema_version": SCHEMA_VERSION} for r in rows], schema=carry_schema())
+    types = {
+        "schema_version": pa.string(),
+        "run_id": pa.string(),
+        "round": pa.int32(),
+        "prompt_id": pa.string(),
+        "group_id": pa.string(),
+        "sample_index": pa.int32(),
+        "task": pa.string(),
+        "prompt_text": pa.string(),
+        "prompt_token_ids": pa.list_(pa.int32()),
+        "reference": pa.string(),
+        "prompt_weight": pa.float64(),
+        "completion_text": pa.string(),
+        "completion_token_ids": pa.list_(pa.int32()),
+        "rollout_logprobs": pa.list_(pa.float32()),
+        "token_policy_versions": pa.list_(pa.int32()),
+        "finish_reason": pa.string(),
+        "engine": pa.struct([("name", pa.string()), ("version", pa.string()), ("dtype", pa.string())]),
+        "sampling": pa.struct(
+            [("temperature", pa.float64()), ("top_p", pa.float64()), ("seed", pa.int64()), ("max_tokens", pa.int32())]
+        ),
+        "verifier": pa.struct([("name", pa.string()), ("version", pa.string())]),
+        "reward": pa.float64(),
+        "outcome": pa.string(),
+        "verify_error": pa.string(),
+        "advantage": pa.float64(),
+        "kept": pa.bool_(),
+        "drop_reason": pa.string(),
+        "enqueued_at": ts,
+        "started_at": ts,
+        "finished_at": ts,
+        "verified_at": ts,
+        "gen_latency_s": pa.float64(),
+        "verify_latency_s": pa.float64(),
+        "carry_state": pa.string(),
+    }
+    if set(types) != set(COLUMNS):  # a field added to one and not the other would silently drop a column
+        raise TypeError(f"arrow_schema and TrajectoryRow disagree on {sorted(set(types) ^ set(COLUMNS))}")
+    return pa.schema([(name, types[name]) for name in COLUMNS])
 
 
 def check_schema_version(found: str, where: str) -> None:
@@ -118,10 +155,40 @@ def check_schema_version(found: str, where: str) -> None:
         )
 
 
-def rows_to_table(rows: list[dict]):
+def rows_to_table(rows: Sequence[TrajectoryRow | Mapping[str, Any]]):
+    """Rows as one Arrow table of the current schema, stamped with its version. Mappings (rows read back
+    and changed, by refilter or reverify) may leave columns out: they are null."""
     import pyarrow as pa
 
-    return pa.Table.from_pylist([{**r, "schema_version": SCHEMA_VERSION} for r in rows], schema=arrow_schema())
+    schema = arrow_schema()
+    columns = []
+    for column in schema:
+        if column.name == "schema_version":
+            values = [SCHEMA_VERSION] * len(rows)
+        else:
+            values = [r.get(column.name) if isinstance(r, Mapping) else getattr(r, column.name) for r in rows]
+        columns.append(pa.array(values, type=column.type))
+    return pa.Table.from_arrays(columns, schema=schema)
+
+
+def rows_of(table) -> list[TrajectoryRow]:
+    """The rows of a whole table (any schema version of this major: absent columns are null)."""
+    table = conform(table)
+    values = [table.column(name).to_pylist() for name in COLUMNS]
+    return [TrajectoryRow(**dict(zip(COLUMNS, row))) for row in zip(*values)]
+
+
+def conform(table, columns: Iterable[str] | None = None):
+    """``table`` with exactly ``columns`` (default: every column of the current schema), in that order;
+    a column its writer did not have (an older minor version) is added as nulls."""
+    import pyarrow as pa
+
+    schema = arrow_schema()
+    wanted = list(columns) if columns is not None else list(COLUMNS)
+    for name in wanted:
+        if name not in table.column_names:
+            table = table.append_column(schema.field(name), pa.nulls(table.num_rows, schema.field(name).type))
+    return table.select(wanted)
 
 
 def table_bytes(table) -> bytes:
@@ -241,19 +308,29 @@ def read_manifest(root: StorageRoot, directory: str) -> Manifest:
 
 
 def read_table(root: StorageRoot, manifest: Manifest, columns: Iterable[str] | None = None):
-    """All rows of a committed version, every part's sha256 verified first; adds ``trajectory_version``."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    """All rows of a committed version, every part's sha256 verified first; adds ``trajectory_version``.
 
+    Columns come in the current schema's order (or ``columns``'), so parts an older minor version wrote
+    read like new ones."""
+    import pyarrow as pa
+
+    wanted = list(columns) if columns else list(COLUMNS)
     tables = []
     for part in manifest.parts:
-        blob = _read_verified(root, manifest, part["path"], part["sha256"], "part")
-        table = pq.read_table(io.BytesIO(blob), columns=list(columns) if columns else None)
-        tables.append(table)
-    table = pa.concat_tables(tables) if tables else arrow_schema().empty_table()
+        tables.append(parquet_table(_read_verified(root, manifest, part["path"], part["sha256"], "part"), wanted))
+    table = pa.concat_tables(tables) if tables else conform(arrow_schema().empty_table(), wanted)
     return table.append_column(
         "trajectory_version", pa.repeat(pa.scalar(manifest.version, pa.string()), table.num_rows)
     )
+
+
+def parquet_table(blob: bytes, columns: Iterable[str] | None = None):
+    """A Parquet file's rows in the current schema (``conform``); only ``columns`` are decoded."""
+    import pyarrow.parquet as pq
+
+    wanted = list(columns) if columns else list(COLUMNS)
+    present = set(pq.read_schema(io.BytesIO(blob)).names)
+    return conform(pq.read_table(io.BytesIO(blob), columns=[c for c in wanted if c in present]), wanted)
 
 
 def read_attachment(root: StorageRoot, manifest: Manifest, name: str) -> bytes | None:
@@ -280,12 +357,10 @@ def _read_verified(root: StorageRoot, manifest: Manifest, name: str, expected_sh
     return blob
 
 
-def read_carryover(root: StorageRoot, manifest: Manifest) -> list[dict]:
+def read_carryover(root: StorageRoot, manifest: Manifest) -> list[TrajectoryRow]:
     """The unfinished samples a round committed with its version (none: an empty list)."""
-    import pyarrow.parquet as pq
-
     blob = read_attachment(root, manifest, CARRYOVER)
-    return [] if blob is None else pq.read_table(io.BytesIO(blob)).to_pylist()
+    return [] if blob is None else rows_of(parquet_table(blob))
 
 
 def list_manifests(root: StorageRoot) -> list[Manifest]:
@@ -336,3 +411,45 @@ def parent_chain(root: StorageRoot, manifest: Manifest, limit: int = 100) -> lis
     while chain[-1].parent and len(chain) < limit:
         chain.append(find_version(root, chain[-1].parent))
     return chain
+
+
+# -- staging: a round's rollout output before filter commits it -------------------------------------
+
+
+def stage_rollout(
+    root: StorageRoot, run_id: str, round_index: int, rows: Sequence[TrajectoryRow], carry_rows: Sequence[TrajectoryRow]
+) -> tuple[str, str]:
+    """Write a round's rows and its carry-over to its staging directory, uncommitted (filter commits
+    them with the round's version). Returns their URIs: (rows, carry-over)."""
+    staging = root.rollout_staging_file(run_id, round_index)
+    carryover = root.carryover_staging_file(run_id, round_index)
+    root.fs.makedirs(root.staging(run_id, round_index), exist_ok=True)
+    for uri, staged in ((carryover, carry_rows), (staging, rows)):
+        with root.fs.open(uri, "wb") as f:
+            f.write(table_bytes(rows_to_table(staged)))
+    return staging, carryover
+
+
+def missing_staged(root: StorageRoot, *uris: str | None) -> list[str]:
+    """Those of ``uris`` (None: nothing staged) that are not there."""
+    return [uri for uri in uris if uri is not None and not root.fs.exists(uri)]
+
+
+def read_staged(root: StorageRoot, uri: str):
+    """A staged rollout's rows as an Arrow table of the current schema."""
+    with root.fs.open(uri, "rb") as f:
+        return parquet_table(f.read())
+
+
+def read_staged_carryover(root: StorageRoot, uri: str) -> bytes | None:
+    """A staged carry-over's bytes, to attach to the version as they are; None when it holds no samples."""
+    import pyarrow.parquet as pq
+
+    with root.fs.open(uri, "rb") as f:
+        blob = f.read()
+    return blob if pq.read_metadata(io.BytesIO(blob)).num_rows else None
+
+
+def clear_staging(root: StorageRoot, run_id: str, round_index: int) -> None:
+    """Remove a round's staging directory, once its version is committed and the copy is redundant."""
+    root.fs.rm(root.staging(run_id, round_index), recursive=True)

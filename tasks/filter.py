@@ -260,14 +260,14 @@ def run_filter(
     its ``carryover.parquet`` attachment when there are any; the next round resumes them.
     ``rollout_stats`` travel in the manifest, so a resumed round still reports how its rollout went.
     Idempotent: once the round's version is committed it is returned as it is (staging is gone by then)."""
-    import io
-
-    import pyarrow.parquet as pq
-
     from storage.paths import CARRYOVER, StorageRoot
     from storage.trajectories import (
         TrajectoryStoreError,
+        clear_staging,
         committed_round_version,
+        missing_staged,
+        read_staged,
+        read_staged_carryover,
         read_table,
         write_version,
     )
@@ -280,22 +280,20 @@ def run_filter(
         return TrajectoryVersion(
             version=committed.version, uri=committed.directory, stats=filter_stats(rows), resumed=True
         )
-    missing = [uri for uri in (staging, carryover) if uri is not None and not root.fs.exists(uri)]
+    missing = missing_staged(root, staging, carryover)
     if staging is None or missing:
         raise TrajectoryStoreError(
             f"round {ctx.round} of run {ctx.run_id}: the staged rollout {missing[0] if missing else None} is gone "
             f"and no trajectory version is committed; delete {root.stage_record(ctx.run_id, ctx.round, 'rollout')} "
             "and resume to generate the round again"
         )
-    with root.fs.open(staging, "rb") as f:
-        table = pq.read_table(f)
+    table = read_staged(root, staging)
     # decisions need a few light columns; the heavy ones (texts, logprobs) stay in Arrow, untouched
-    rows = table.select([c for c in DECISION_INPUTS if c in table.column_names]).to_pylist()
+    rows = table.select(DECISION_INPUTS).to_pylist()
     attachments = {}
     if carryover is not None:  # the round's unfinished samples: committed with its version, resumed next round
-        with root.fs.open(carryover, "rb") as f:
-            carry = f.read()
-        if pq.read_metadata(io.BytesIO(carry)).num_rows:
+        carry = read_staged_carryover(root, carryover)
+        if carry is not None:
             attachments[CARRYOVER] = carry
     rows = apply_decisions(rows, decide(rows, config, ctx.parent_policy_version), target_groups)
     table = with_decisions(table, rows)
@@ -314,5 +312,5 @@ def run_filter(
     manifest = write_version(
         root, lambda v: root.trajectory_version(ctx.run_id, ctx.round, v), table, meta, attachments
     )
-    root.fs.rm(root.staging(ctx.run_id, ctx.round), recursive=True)  # committed: the staging copy is redundant
+    clear_staging(root, ctx.run_id, ctx.round)  # committed: the staging copy is redundant
     return TrajectoryVersion(version=manifest.version, uri=manifest.directory, stats=filter_stats(rows))

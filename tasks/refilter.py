@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from pydantic import Field
 
 from tasks.config_base import Config
-from tasks.filter import FilterConfig, apply_decisions, decide, filter_stats
+from tasks.filter import DECISION_INPUTS, FilterConfig, apply_decisions, decide, filter_stats, with_decisions
 from tasks.results import Reverified, TrajectoryVersion
 from tasks.verifiers.config import VerifyConfig
 
@@ -78,7 +78,7 @@ def recorded_filter(chain) -> FilterConfig:
 def run_refilter(*, storage: str, request: RefilterRequest) -> TrajectoryVersion:
     """Select, optionally regroup, and commit the derived version; returns its id, URI and statistics."""
     from storage.query import select_rows
-    from storage.trajectories import parent_chain, rows_to_table
+    from storage.trajectories import parent_chain
 
     root, parent, table = read_parent(storage, request.version)
     selected = select_rows(table, request.where)
@@ -86,9 +86,11 @@ def run_refilter(*, storage: str, request: RefilterRequest) -> TrajectoryVersion
     if request.regroup:
         chain = parent_chain(root, parent)
         config = request.filter or recorded_filter(chain)
-        selected = rows_to_table(
-            regroup_rows(selected.to_pylist(), config, request.target_groups, recorded_policy_version(chain))
+        # decisions read a few light columns; the heavy ones (texts, logprobs) stay in Arrow, untouched
+        judged = regroup_rows(
+            selected.select(DECISION_INPUTS).to_pylist(), config, request.target_groups, recorded_policy_version(chain)
         )
+        selected = with_decisions(selected, judged)
     derivation = {
         "where": request.where,
         "regroup": request.regroup,

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Annotated, Literal
 from pydantic import Field
 
 from models.engines.types import GroupRequest, RolloutEngine, SamplingParams
+from storage.trajectories import TrajectoryRow
 from tasks.config_base import Config, Dtype
 from tasks.context import RoundContext
 from tasks.curriculum import admitted, solved_prompts
@@ -95,8 +96,8 @@ class RolloutConfig(Config):
 class RolloutResult:
     """The samples of ready groups in the order their groups finished, the carry-over, and the figures."""
 
-    rows: list[dict]
-    carry_rows: list[dict]
+    rows: list[TrajectoryRow]
+    carry_rows: list[TrajectoryRow]
     stats: dict[str, float]
 
 
@@ -113,7 +114,7 @@ def generate_and_verify(
     round_index: int,
     progress=None,
     max_context: int | None = None,
-    carried_rows: list[dict] | None = None,
+    carried_rows: list[TrajectoryRow] | None = None,
     policy_version: int | None = None,
     solved: frozenset[str] = frozenset(),
     next_policy: NextPolicy | None = None,
@@ -240,7 +241,7 @@ def generate_and_verify(
         "verifier": {"name": verifier_name, "version": rollout_verifier_version(verifier_name, verify)},
     }
     rows = [sample_row(g, slot, context) for g in harvest.ready for slot in g.slots]
-    carry_rows = [sample_row(g, slot, context) for g in harvest.carry for slot in g.slots]
+    carry_rows = [sample_row(g, slot, context, carried=True) for g in harvest.carry for slot in g.slots]
     stats = {**rollout_stats(rows, carry_rows, harvest, carried, target_groups, start, end), **verifiers.stats()}
     if next_policy is not None:
         stats.update(next_policy.stats())
@@ -289,13 +290,13 @@ def quantiles(values: list[float], prefix: str) -> dict[str, float]:
     }
 
 
-def verifier_waits(rows: list[dict], start: float) -> list[float]:
+def verifier_waits(rows: list[TrajectoryRow], start: float) -> list[float]:
     """Seconds each sample finished in this round waited for a free verifier: from the end of its
     generation to its verdict, less the verifier call itself. Near zero while verify.workers keeps up with
     the engine; when the environment's concurrency is the round's bottleneck, this is where it shows."""
     waits = []
     for r in rows:
-        finished, verified, latency = r["finished_at"], r["verified_at"], r["verify_latency_s"]
+        finished, verified, latency = r.finished_at, r.verified_at, r.verify_latency_s
         if verified is None or latency is None or finished.timestamp() < start:
             continue
         waits.append(max(0.0, verified.timestamp() - finished.timestamp() - latency))
@@ -303,20 +304,20 @@ def verifier_waits(rows: list[dict], start: float) -> list[float]:
 
 
 def rollout_stats(
-    rows: list[dict],
-    carry_rows: list[dict],
+    rows: list[TrajectoryRow],
+    carry_rows: list[TrajectoryRow],
     harvest: Harvest,
     carried: list[Group],
     target_groups: int,
     start: float,
     end: float,
 ) -> dict[str, float]:
-    outcomes = Counter(r["outcome"] for r in rows)
-    tokens = sum(len(r["completion_token_ids"]) for r in rows)
-    rewards = [r["reward"] for r in rows if r["reward"] is not None]
+    outcomes = Counter(r.outcome for r in rows)
+    tokens = sum(len(r.completion_token_ids) for r in rows)
+    rewards = [r.reward for r in rows if r.reward is not None]
     wall = max(end - start, 1e-9)
-    versions = [v for r in rows for v in r["token_policy_versions"]]
-    partial_out = [r for r in carry_rows if r["carry_state"] == PARTIAL]
+    versions = [v for r in rows for v in r.token_policy_versions]
+    partial_out = [r for r in carry_rows if r.carry_state == PARTIAL]
     carried_in = {g.request.group_id for g in carried}
     return {
         "rollout/groups": len(harvest.ready),
@@ -330,20 +331,20 @@ def rollout_stats(
         "rollout/time_to_trainable_batch_s": (harvest.batch_ready_at or end) - start,
         "rollout/batch_ready_at": harvest.batch_ready_at or end,
         "rollout/stop_to_end_s": end - harvest.stopped_at if harvest.stopped_at else 0.0,
-        **quantiles([r["gen_latency_s"] for r in rows], "rollout/gen_latency"),
-        **quantiles([r["verify_latency_s"] for r in rows if r["verify_latency_s"] is not None], "verify/env_latency"),
+        **quantiles([r.gen_latency_s for r in rows], "rollout/gen_latency"),
+        **quantiles([r.verify_latency_s for r in rows if r.verify_latency_s is not None], "verify/env_latency"),
         **quantiles(verifier_waits(rows, start), "verify/queue_wait"),
         "rollout/mean_completion_tokens": tokens / max(len(rows), 1),
-        "rollout/truncated_fraction": sum(r["finish_reason"] == "length" for r in rows) / max(len(rows), 1),
+        "rollout/truncated_fraction": sum(r.finish_reason == "length" for r in rows) / max(len(rows), 1),
         "rollout/policy_version_min": min(versions, default=0),
         "rollout/policy_version_max": max(versions, default=0),
-        "rollout/samples_spanning_versions": sum(len(set(r["token_policy_versions"])) > 1 for r in rows),
+        "rollout/samples_spanning_versions": sum(len(set(r.token_policy_versions)) > 1 for r in rows),
         "rollout/carried_in_groups": len(carried_in),
         "rollout/carried_in_finished_groups": sum(g.request.group_id in carried_in for g in harvest.ready),
         "rollout/carried_out_groups": len(harvest.carry),
         "rollout/carried_out_partial_samples": len(partial_out),
-        "rollout/carried_out_tokens": sum(len(r["completion_token_ids"]) for r in partial_out),
-        "rollout/carried_out_unverified_samples": sum(r["carry_state"] == "unverified" for r in carry_rows),
+        "rollout/carried_out_tokens": sum(len(r.completion_token_ids) for r in partial_out),
+        "rollout/carried_out_unverified_samples": sum(r.carry_state == "unverified" for r in carry_rows),
         "rollout/verifications_abandoned": harvest.abandoned,
         "rollout/slow_environment": float(harvest.waited_for_slow_environment),
         "verify/mean_reward": statistics.fmean(rewards) if rewards else 0.0,
@@ -352,7 +353,7 @@ def rollout_stats(
         "verify/infra_failure": outcomes.get(Outcome.INFRA_FAILURE.value, 0),
         "verify/unknown": outcomes.get(Outcome.UNKNOWN.value, 0),
         "verify/infra_failure_rate": outcomes.get(Outcome.INFRA_FAILURE.value, 0) / max(len(rows), 1),
-        "verify/mean_latency_s": statistics.fmean(r["verify_latency_s"] for r in rows) if rows else 0.0,
+        "verify/mean_latency_s": statistics.fmean(r.verify_latency_s for r in rows) if rows else 0.0,
     }
 
 
@@ -395,14 +396,7 @@ def run_rollout(
     from models.checkpoint import context_length
     from storage import checkpoints
     from storage.paths import StorageRoot
-    from storage.trajectories import (
-        carry_table,
-        committed_round_version,
-        read_carryover,
-        read_manifest,
-        rows_to_table,
-        table_bytes,
-    )
+    from storage.trajectories import committed_round_version, read_carryover, read_manifest, stage_rollout
     from tasks.engines import Placement, serving_engine
 
     root = StorageRoot.of(ctx.storage)
@@ -445,11 +439,5 @@ def run_rollout(
         overlap.next_policy if overlap is not None else None,
     )
     check_infra_failure_rate(result.stats, verify.max_infra_failure_rate, ctx.round)  # before anything is staged
-    staging = root.rollout_staging_file(ctx.run_id, ctx.round)
-    carryover = root.carryover_staging_file(ctx.run_id, ctx.round)
-    root.fs.makedirs(root.staging(ctx.run_id, ctx.round), exist_ok=True)
-    with root.fs.open(carryover, "wb") as f:  # filter commits it with the rows
-        f.write(table_bytes(carry_table(result.carry_rows)))
-    with root.fs.open(staging, "wb") as f:
-        f.write(table_bytes(rows_to_table(result.rows)))
+    staging, carryover = stage_rollout(root, ctx.run_id, ctx.round, result.rows, result.carry_rows)
     return Staged(staging=staging, carryover=carryover, stats=result.stats)

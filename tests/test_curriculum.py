@@ -87,10 +87,10 @@ def test_rollout_draws_solved_prompts_less_and_records_the_weight(tiny_policy_di
     everything, curriculum = collect(1.0), collect(0.2)
     share = {}
     for name, rows in (("all", everything), ("curriculum", curriculum)):
-        prompts = {r["group_id"]: r for r in rows}.values()
-        share[name] = sum(r["prompt_id"] in solved for r in prompts) / len(prompts)
+        prompts = {r.group_id: r for r in rows}.values()
+        share[name] = sum(r.prompt_id in solved for r in prompts) / len(prompts)
         for r in rows:
-            assert r["prompt_weight"] == (0.2 if name == "curriculum" and r["prompt_id"] in solved else 1.0)
+            assert r.prompt_weight == (0.2 if name == "curriculum" and r.prompt_id in solved else 1.0)
     assert 0.4 < share["all"] < 0.6
     # solved prompts drawn at 0.2: about 0.2 / (0.2 + 1) of the groups
     assert share["curriculum"] == pytest.approx(0.2 / 1.2, abs=0.07)

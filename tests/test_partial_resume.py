@@ -5,6 +5,7 @@ bit for bit."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -37,7 +38,8 @@ def _rounds(storage):
     for k in (1, 2):
         manifest = committed_round_version(root, "partial", k)
         strip = lambda rows: [{c: v for c, v in r.items() if c not in TIMING_COLUMNS} for r in rows]  # noqa: E731
-        out[k] = (strip(read_table(root, manifest).to_pylist()), strip(read_carryover(root, manifest)), manifest)
+        carryover = [dataclasses.asdict(r) for r in read_carryover(root, manifest)]
+        out[k] = (strip(read_table(root, manifest).to_pylist()), strip(carryover), manifest)
     return out
 
 

@@ -5,15 +5,13 @@ sample is stored exactly once, in the round that finished it, with the versions 
 from __future__ import annotations
 
 import copy
-import io
 
-import pyarrow.parquet as pq
 import pytest
 import torch
 
 from models.checkpoint import load_policy, save_policy
 from models.engines.embedded import EmbeddedEngine
-from storage.trajectories import carry_table, rows_to_table, table_bytes
+from storage.trajectories import parquet_table, rows_of, rows_to_table, table_bytes
 from tasks.filter import FilterConfig
 from tasks.prompts import PromptsConfig
 from tasks.rollout import RolloutConfig, generate_and_verify
@@ -41,7 +39,7 @@ def _round(engine, tok, round_index, carried=None, rollout=ROLLOUT):
 
 
 def _through_parquet(rows):
-    return pq.read_table(io.BytesIO(table_bytes(carry_table(rows)))).to_pylist()
+    return rows_of(parquet_table(table_bytes(rows_to_table(rows))))
 
 
 @pytest.fixture(scope="module")
@@ -65,44 +63,40 @@ def test_a_full_batch_stops_its_stragglers_and_carries_them(rounds):
     s = first.stats
     assert s["rollout/groups_trainable"] >= 3 and s["rollout/carried_out_partial_samples"] > 0
     assert s["rollout/carried_out_tokens"] == sum(
-        len(r["completion_token_ids"]) for r in first.carry_rows if r["carry_state"] == "partial"
+        len(r.completion_token_ids) for r in first.carry_rows if r.carry_state == "partial"
     )
     for r in first.carry_rows:
-        if r["carry_state"] == "partial":
-            assert (
-                r["finish_reason"] == "abort"
-                and r["reward"] is None
-                and len(r["completion_token_ids"]) < ROLLOUT.max_tokens
-            )
-            assert len(r["rollout_logprobs"]) == len(r["token_policy_versions"]) == len(r["completion_token_ids"])
+        if r.carry_state == "partial":
+            assert r.finish_reason == "abort" and r.reward is None and len(r.completion_token_ids) < ROLLOUT.max_tokens
+            assert len(r.rollout_logprobs) == len(r.token_policy_versions) == len(r.completion_token_ids)
     # stored groups are complete
-    assert all(r["finish_reason"] in ("stop", "length") and r["outcome"] for r in first.rows)
+    assert all(r.finish_reason in ("stop", "length") and r.outcome for r in first.rows)
     # Parquet takes both kinds of rows as they are.
-    assert rows_to_table(first.rows).num_rows == len(first.rows) and carry_table(first.carry_rows).num_rows == len(
+    assert rows_to_table(first.rows).num_rows == len(first.rows) and rows_to_table(first.carry_rows).num_rows == len(
         first.carry_rows
     )
 
 
 def test_the_next_round_resumes_them_first_and_stores_them_once(rounds):
     first, second = rounds
-    carried = {(r["group_id"], r["sample_index"]) for r in first.carry_rows}
-    stored_first = {(r["group_id"], r["sample_index"]) for r in first.rows}
-    stored_second = {(r["group_id"], r["sample_index"]): r for r in second.rows}
+    carried = {(r.group_id, r.sample_index) for r in first.carry_rows}
+    stored_first = {(r.group_id, r.sample_index) for r in first.rows}
+    stored_second = {(r.group_id, r.sample_index): r for r in second.rows}
     assert carried.isdisjoint(stored_first)
-    later = set(stored_second) | {(r["group_id"], r["sample_index"]) for r in second.carry_rows}
+    later = set(stored_second) | {(r.group_id, r.sample_index) for r in second.carry_rows}
     assert carried <= later  # every carried sample is finished (stored) or carried again: none lost
     assert second.stats["rollout/carried_in_groups"] == len({g for g, _ in carried})
-    spanning = [r for r in second.rows if len(set(r["token_policy_versions"])) > 1]
+    spanning = [r for r in second.rows if len(set(r.token_policy_versions)) > 1]
     assert spanning and second.stats["rollout/samples_spanning_versions"] == len(spanning)
-    before = {(r["group_id"], r["sample_index"]): r for r in first.carry_rows}
+    before = {(r.group_id, r.sample_index): r for r in first.carry_rows}
     for r in spanning:
-        prefix = before[(r["group_id"], r["sample_index"])]
-        k = len(prefix["completion_token_ids"])
-        assert r["group_id"].startswith("r1-") and r["round"] == 2  # started in round 1, stored with round 2
-        assert r["token_policy_versions"] == [0] * k + [1] * (len(r["completion_token_ids"]) - k)
-        assert r["completion_token_ids"][:k] == prefix["completion_token_ids"]
-        assert r["rollout_logprobs"][:k] == pytest.approx(prefix["rollout_logprobs"])
-        assert r["gen_latency_s"] >= prefix["gen_latency_s"]
+        prefix = before[(r.group_id, r.sample_index)]
+        k = len(prefix.completion_token_ids)
+        assert r.group_id.startswith("r1-") and r.round == 2  # started in round 1, stored with round 2
+        assert r.token_policy_versions == [0] * k + [1] * (len(r.completion_token_ids) - k)
+        assert r.completion_token_ids[:k] == prefix.completion_token_ids
+        assert r.rollout_logprobs[:k] == pytest.approx(prefix.rollout_logprobs)
+        assert r.gen_latency_s >= prefix.gen_latency_s
 
 
 def test_without_partial_rollouts_stragglers_run_to_the_end(tiny_policy_dir):
@@ -123,7 +117,7 @@ def test_a_synchronous_barrier_generates_whole_batches_of_the_target(tiny_policy
     assert result.carry_rows == [] and s["rollout/groups_trainable"] >= 3
     # every group keeps every sample: whole batches of target_groups (3), generated and verified to the end
     assert s["rollout/groups"] % 3 == 0 and len(result.rows) == 4 * s["rollout/groups"]
-    assert all(r["outcome"] and r["finish_reason"] in ("stop", "length") for r in result.rows)
+    assert all(r.outcome and r.finish_reason in ("stop", "length") for r in result.rows)
 
 
 def test_a_verifier_pool_too_small_for_the_engine_shows_as_queue_wait(tiny_policy_dir):

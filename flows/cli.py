@@ -330,8 +330,8 @@ def _known_input_error(exc: BaseException) -> str | None:
     from models.checkpoint import PolicyLoadError
     from storage.campaigns import CampaignError
     from storage.checkpoints import CheckpointError
+    from storage.model_versions import LineageError  # includes storage.lineage.AuditError, tasks.replay.ReplayError
     from storage.query import QueryError
-    from storage.tracking import LineageError  # includes storage.lineage.AuditError, tasks.replay.ReplayError
     from storage.trajectories import TrajectoryStoreError  # includes CorruptPartError
     from tasks.prompts import PromptError
     from tasks.verifiers.pool import InfraFailureRateError

@@ -235,7 +235,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_refilter(args: argparse.Namespace) -> int:
     from flows.errors import UserError
-    from tasks.refilter import RefilterRequest, run_refilter
+    from tasks.config.refilter import RefilterRequest
+    from tasks.refilter import run_refilter
 
     if args.target_groups is not None and (not args.regroup or args.target_groups < 1):
         raise UserError("--target-groups needs --regroup and a positive number of groups")
@@ -255,8 +256,9 @@ def cmd_refilter(args: argparse.Namespace) -> int:
 
 def cmd_reverify(args: argparse.Namespace) -> int:
     from flows.errors import UserError
-    from tasks.refilter import REVERIFY_DEFAULT_WHERE, ReverifyRequest, run_reverify
-    from tasks.verifiers.config import VerifyConfig
+    from tasks.config.refilter import REVERIFY_DEFAULT_WHERE, ReverifyRequest
+    from tasks.config.verify import VerifyConfig
+    from tasks.refilter import run_reverify
 
     root = _root(args)
     request = ReverifyRequest(
@@ -288,7 +290,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     root = _root(args)
     from pydantic import ValidationError
 
-    from flows.replay import ReplayRequest, rl_replay
+    from flows.config import ReplayRequest
+    from flows.replay import rl_replay
 
     try:
         request = ReplayRequest(
@@ -315,8 +318,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 def cmd_lineage(args: argparse.Namespace) -> int:
     from storage.lineage import format_lineage, to_json, walk
+    from storage.model_versions import parse_model_version
     from storage.settings import settings
-    from storage.tracking import Tracker, parse_model_version
+    from storage.tracking import Tracker
 
     parse_model_version(args.model_version)  # a malformed reference fails before MLflow is touched
     root = _root(args)

@@ -11,8 +11,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from storage.model_versions import LineageError, parse_model_version
 from storage.paths import StorageRoot
-from storage.tracking import LINE_TAG, LineageError, checkpoint_uri, parse_model_version
+from storage.tracking import LINE_TAG, checkpoint_uri
 
 NO_PARENT = "none"
 

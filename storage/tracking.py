@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from storage.model_versions import LineageError
 from storage.paths import StorageRoot
 from storage.settings import Settings
 
@@ -39,21 +40,9 @@ LINE_TAG = "line"
 versions of one line. Versions registered before lines existed have none."""
 
 
-class LineageError(RuntimeError):
-    pass
-
-
 def checkpoint_uri(model_version: Any) -> str:
     """The checkpoint a registered model version was trained into (its tag, else its source)."""
     return str((model_version.tags or {}).get(CHECKPOINT_TAG) or model_version.source or "")
-
-
-def parse_model_version(ref: str) -> tuple[str, str]:
-    """'NAME/VERSION' -> (name, version); the one parser of a registered model version reference."""
-    name, sep, version = ref.rpartition("/")
-    if not sep or not name or not version.isdigit():
-        raise LineageError(f"model version {ref!r} must look like NAME/VERSION, e.g. rlrounds-addition/3")
-    return name, version
 
 
 def tracking_uris(settings: Settings, root: StorageRoot) -> tuple[str, str]:

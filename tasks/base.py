@@ -8,12 +8,14 @@ import os
 import tempfile
 from collections.abc import Callable
 
+from tasks.config.evaluate import EvaluateConfig
+from tasks.config.prompts import PromptsConfig
+from tasks.config.publish import PublishConfig
+from tasks.config.verify import VerifyConfig
 from tasks.context import RoundContext
-from tasks.evaluate import EvaluateConfig, run_evaluate
-from tasks.prompts import PromptsConfig
-from tasks.publish import PublishConfig, lineage_tags
+from tasks.evaluate import run_evaluate
+from tasks.publish import lineage_tags
 from tasks.results import BasePolicy, Published
-from tasks.verifiers.config import VerifyConfig
 
 BUILTIN = "builtin"  # the addition base; every built-in base is listed in models.builtin.BUILTINS
 

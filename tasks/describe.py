@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from storage.tracking import LineageError, parse_model_version
+from storage.model_versions import LineageError, parse_model_version
 
 
 def prefect_ui_url() -> str | None:

@@ -15,41 +15,17 @@ Replays and ``rlrounds eval`` never move the alias.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
-
-from pydantic import Field
+from typing import Annotated
 
 from models.engines.types import greedy_completions
-from tasks.config_base import Config, Dtype
+from tasks.config.evaluate import EvaluateConfig
+from tasks.config.prompts import PromptsConfig
+from tasks.config.verify import VerifyConfig
 from tasks.context import RoundContext
-from tasks.prompts import PromptsConfig
 from tasks.results import Evaluation, NotInput, Stats, VersionEvaluation
-from tasks.verifiers.config import VerifyConfig
 from tasks.verifiers.outcome import Outcome, Verifier
 from tasks.verifiers.pool import run_verifier
 from tasks.verifiers.registry import get_verifier
-
-
-class EvaluateConfig(Config):
-    """How published checkpoints are scored."""
-
-    source: str | None = None
-    """Held-out prompts (.jsonl/.parquet). Default: the built-in task's fixed 500 held-out prompts."""
-    serving_engine: Literal["embedded", "vllm"] = "embedded"
-    """Engine the policy is served with ('embedded' or 'vllm'); accuracy on it gates promotion."""
-    serving_dtype: Dtype = "bfloat16"
-    """Precision the policy is served at; accuracy at it gates promotion. bfloat16 by default, so the
-    policy is tested at the precision it would be served with, not only at training precision (float32)."""
-    max_tokens: int = Field(8, ge=1)
-    """Most new tokens per greedy answer."""
-    champion_alias: str = "champion"
-    """Registry alias moved to a checkpoint whose serving accuracy is not below the current champion's."""
-    approval: Literal["none", "required"] = "none"
-    """Who moves the champion alias once a checkpoint passes the gate. 'none': the round moves it.
-    'required': the round pauses after evaluation, shows its accuracy beside the champion's, and waits
-    for a person to approve or reject in the Prefect UI; only an approval moves the alias."""
-    approval_timeout_s: int = Field(86_400, ge=1)
-    """How long a round waits for an approval; no answer by then rejects the checkpoint."""
 
 
 def accuracy(engine, tokenizer, prompts, verifier: Verifier, max_tokens: int) -> dict[str, float]:
@@ -179,9 +155,10 @@ def run_evaluate(
     before that tag re-runs the (greedy, deterministic) evaluation and reaches the same gate decision."""
     from storage import checkpoints
     from storage.files import lease
+    from storage.model_versions import parse_model_version
     from storage.paths import StorageRoot
     from storage.settings import settings
-    from storage.tracking import Tracker, parse_model_version
+    from storage.tracking import Tracker
     from tasks.describe import describe_version
     from tasks.prompts import evaluation_prompts
 
@@ -242,7 +219,8 @@ def other_line(champion_tags: dict[str, str], candidate_tags: dict[str, str]) ->
 def check_same_line(name: str, alias: str, champion: str, champion_tags: dict, candidate_tags: dict) -> None:
     """Refuse to gate a checkpoint against a champion of another line: their accuracies were measured on
     other tasks or held-out sets, so comparing them would move the alias on a meaningless difference."""
-    from storage.tracking import LINE_TAG, LineageError
+    from storage.model_versions import LineageError
+    from storage.tracking import LINE_TAG
 
     theirs = other_line(champion_tags, candidate_tags)
     if theirs is not None:
@@ -311,9 +289,10 @@ def run_evaluate_version(
     """Score a registered model version ('NAME/VERSION') at ``config``'s serving engine and dtype and at
     training precision; tag both and the gap on the version. The champion alias is not touched."""
     from storage import checkpoints
+    from storage.model_versions import parse_model_version
     from storage.paths import StorageRoot
     from storage.settings import settings
-    from storage.tracking import Tracker, checkpoint_uri, parse_model_version
+    from storage.tracking import Tracker, checkpoint_uri
     from tasks.prompts import evaluation_prompts
 
     name, version = parse_model_version(model_version)

@@ -10,11 +10,9 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Annotated
 
-from pydantic import Field
-
-from tasks.config_base import Config
+from tasks.config.filter import FilterConfig
 from tasks.context import RoundContext
 from tasks.results import NotInput, Stats, TrajectoryVersion
 from tasks.verifiers.outcome import Outcome
@@ -26,30 +24,6 @@ DROP_INCOMPLETE = "incomplete_group"  # too few scored samples left in the group
 DROP_OVERFLOW = "batch_full"  # a complete group that arrived after the trainable batch was full
 DROP_STALE = "stale"  # its oldest token lags the trained policy by more than filter.max_staleness versions
 DROP_OVERLONG = "overlong"  # cut at the sampling limit, with filter.overlong = 'drop'
-
-
-class FilterConfig(Config):
-    """How rewards become advantages, and which samples are trained on."""
-
-    normalize_std: bool = True
-    """Divide group-centred rewards by the group's standard deviation (GRPO). Off: Dr. GRPO-style centring only."""
-    drop_zero_variance: bool = True
-    """Drop groups whose samples all scored the same: their advantages are all zero."""
-    min_scored_per_group: int = Field(2, ge=2)
-    """A group needs at least this many scored samples (after dropping infra failures) to be compared."""
-    epsilon: float = Field(1e-6, gt=0)
-    """Added to the standard deviation so near-constant groups do not explode."""
-    max_staleness: int | None = Field(None, ge=0)
-    """Most policy versions a sample's oldest token may lag the policy it trains (the round's parent).
-    Carried-over partial rollouts lag by one version per round they waited. Older samples are dropped
-    ('stale') and their group's advantages computed without them. None: no bound; the loss still
-    corrects older tokens with its truncated importance weights (train.tis_cap)."""
-    overlong: Literal["keep", "drop", "penalty"] = "keep"
-    """Samples cut at the sampling limit (rollout.max_tokens): 'keep' them as scored; 'drop' them from
-    training ('overlong'); or 'penalty': a soft length penalty added to the reward over the last
-    overlong_buffer tokens before the limit, falling linearly from 0 to -1 at the limit (DAPO)."""
-    overlong_buffer: int = Field(4, ge=1)
-    """Tokens before the sampling limit over which the 'penalty' rule ramps."""
 
 
 @dataclass

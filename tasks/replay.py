@@ -21,14 +21,16 @@ from __future__ import annotations
 import hashlib
 import json
 
-from storage.tracking import LineageError
+from storage.model_versions import LineageError
+from tasks.config.evaluate import EvaluateConfig
+from tasks.config.prompts import PromptsConfig
+from tasks.config.train import TrainConfig
+from tasks.config.verify import VerifyConfig
 from tasks.context import RoundContext
-from tasks.evaluate import EvaluateConfig, evaluate_checkpoint, evaluation_tags
-from tasks.prompts import PromptsConfig, evaluation_prompts
+from tasks.evaluate import evaluate_checkpoint, evaluation_tags
+from tasks.prompts import evaluation_prompts
 from tasks.publish import lineage_tags
 from tasks.results import Published, StageResult, Stats
-from tasks.train import TrainConfig
-from tasks.verifiers.config import VerifyConfig
 
 REPLAY_KIND = "replay"
 
@@ -114,9 +116,10 @@ def run_plan_replay(
     flow_run_id: str,
 ) -> ReplayPlan:
     """Resolve the parent model version and the trajectory version; open the replay's MLflow run."""
+    from storage.model_versions import parse_model_version
     from storage.paths import StorageRoot
     from storage.settings import settings
-    from storage.tracking import KIND_TAG, RUN_ID_TAG, Tracker, checkpoint_uri, parse_model_version
+    from storage.tracking import KIND_TAG, RUN_ID_TAG, Tracker, checkpoint_uri
     from storage.trajectories import find_version, parent_chain, read_table
 
     root = StorageRoot.of(storage)

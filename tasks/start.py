@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from storage.tracking import LineageError
+from storage.model_versions import LineageError
 from tasks.results import StageResult
 
 BASE = "base"

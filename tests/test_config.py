@@ -95,8 +95,8 @@ def test_a_precision_is_one_of_three_choices():
 
 
 def test_help_reaches_nested_and_optional_models():
-    from flows.replay import ReplayRequest
-    from tasks.config_base import field_help
+    from flows.config import ReplayRequest
+    from tasks.config.base import field_help
 
     sandbox_memory = field_help(CampaignConfig, ("round", "verify", "sandbox", "memory_mib"))
     assert sandbox_memory.startswith("RLIMIT_AS of each process")

@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 
-from tasks.verifiers.config import VerifyConfig
+from tasks.config.verify import VerifyConfig
 from tasks.verifiers.outcome import Outcome, Verdict, VerifierInfraError
 from tasks.verifiers.pool import InfraFailureRateError, VerifierPool, check_infra_failure_rate, run_verifier
 
@@ -151,9 +151,8 @@ def test_an_inline_pool_answers_on_the_callers_thread_and_a_dying_call_is_an_inf
 
 
 def test_only_instant_verifiers_score_inline_and_never_behind_a_waiting_environment():
-    from tasks.verifiers.config import VerifyConfig
+    from tasks.config.verify import SimulatedEnvironmentConfig, VerifyConfig
     from tasks.verifiers.registry import scores_inline
-    from tasks.verifiers.simulated_env import SimulatedEnvironmentConfig
 
     assert scores_inline("addition", VerifyConfig()) and scores_inline("longtail", VerifyConfig())
     assert not scores_inline("python", VerifyConfig()) and not scores_inline("math", VerifyConfig())

@@ -159,7 +159,7 @@ def test_reverify_with_a_predicate_and_a_bad_one(faulty_round, capsys):
 @pytest.mark.slow  # starts a Prefect server
 def test_the_reverify_flow_takes_a_pydantic_request(faulty_round, prefect_harness):
     from flows.replay import rl_reverify
-    from tasks.refilter import ReverifyRequest
+    from tasks.config.refilter import ReverifyRequest
 
     faulty_round["environment"].broken = False
     request = ReverifyRequest(version=faulty_round["version"])

@@ -15,8 +15,8 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tasks.config.verify import VerifyConfig
 from tasks.verifiers import addition, longtail, math, sandbox, simulated_env
-from tasks.verifiers.config import VerifyConfig
 from tasks.verifiers.outcome import Verifier
 
 

@@ -2,8 +2,8 @@
 reverify, replay, lineage, gc, and the tracking server over a root's MLflow store. ``add_commands``
 registers them on the main parser (flows/cli.py).
 
-Only argparse is imported here at module level; each command imports what it needs, so
-``rlrounds --help`` stays instant. Read-only commands never create anything under the root.
+The modules that import pyarrow, DuckDB, MLflow or Prefect are imported by the command that uses them,
+so ``rlrounds --help`` stays instant. Read-only commands never create anything under the root.
 """
 
 from __future__ import annotations
@@ -13,10 +13,19 @@ import json
 import os
 import sys
 
+from pydantic import ValidationError
+
+from flows.config import ConfigError, ReplayRequest, load_campaign_config
+from flows.errors import UserError
+from storage.gc import DEFAULT_GRACE_S, collect
+from storage.model_versions import parse_model_version
+from storage.paths import StorageRoot
+from storage.settings import settings
+from tasks.config.refilter import REVERIFY_DEFAULT_WHERE, RefilterRequest, ReverifyRequest
+from tasks.config.verify import VerifyConfig
+
 
 def add_commands(sub) -> None:
-    from storage.gc import DEFAULT_GRACE_S  # storage.gc imports nothing heavy
-
     trajectories = sub.add_parser("trajectories", help="list, inspect and export committed trajectory versions")
     tsub = trajectories.add_subparsers(dest="trajectories_command", required=True)
     listing = tsub.add_parser("list", help="every committed trajectory version under the storage root")
@@ -114,10 +123,6 @@ def _storage_arg(parser: argparse.ArgumentParser) -> None:
 
 def _root(args: argparse.Namespace):
     """The storage root to read; a local one must exist (read commands never create one)."""
-    from flows.errors import UserError
-    from storage.paths import StorageRoot
-    from storage.settings import settings
-
     uri = args.storage or settings().storage
     root = StorageRoot.of(uri)
     if root.is_local and not os.path.isdir(root.uri):
@@ -234,8 +239,6 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_refilter(args: argparse.Namespace) -> int:
-    from flows.errors import UserError
-    from tasks.config.refilter import RefilterRequest
     from tasks.refilter import run_refilter
 
     if args.target_groups is not None and (not args.regroup or args.target_groups < 1):
@@ -255,9 +258,6 @@ def cmd_refilter(args: argparse.Namespace) -> int:
 
 
 def cmd_reverify(args: argparse.Namespace) -> int:
-    from flows.errors import UserError
-    from tasks.config.refilter import REVERIFY_DEFAULT_WHERE, ReverifyRequest
-    from tasks.config.verify import VerifyConfig
     from tasks.refilter import run_reverify
 
     root = _root(args)
@@ -278,8 +278,7 @@ def cmd_reverify(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from flows.config import ConfigError, load_campaign_config
-    from flows.errors import UserError
+    from flows.replay import rl_replay
 
     config = None
     if args.config:
@@ -288,10 +287,6 @@ def cmd_replay(args: argparse.Namespace) -> int:
         except ConfigError as exc:
             raise UserError(str(exc)) from None
     root = _root(args)
-    from pydantic import ValidationError
-
-    from flows.config import ReplayRequest
-    from flows.replay import rl_replay
 
     try:
         request = ReplayRequest(
@@ -318,8 +313,6 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 def cmd_lineage(args: argparse.Namespace) -> int:
     from storage.lineage import format_lineage, to_json, walk
-    from storage.model_versions import parse_model_version
-    from storage.settings import settings
     from storage.tracking import Tracker
 
     parse_model_version(args.model_version)  # a malformed reference fails before MLflow is touched
@@ -334,9 +327,6 @@ def cmd_lineage(args: argparse.Namespace) -> int:
 
 def cmd_tracking_server(args: argparse.Namespace) -> int:
     """Open (create, migrate) the root's MLflow store under its lock, then become ``mlflow server`` on it."""
-    from flows.errors import UserError
-    from storage.paths import StorageRoot
-    from storage.settings import settings
     from storage.tracking import Tracker, server_command
 
     if args.workers < 1 or not 0 < args.port < 65536:
@@ -357,9 +347,6 @@ def cmd_tracking_server(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from flows.errors import UserError
-    from storage.gc import collect
-
     if args.grace < 0:
         raise UserError("--grace must be zero or more seconds")
     root = _root(args)

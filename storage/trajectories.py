@@ -24,6 +24,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from storage.files import write_atomic
 from storage.paths import CARRYOVER, MANIFEST, StorageRoot, child, manifest_of, part_name
 
@@ -40,8 +43,6 @@ class CorruptPartError(TrajectoryStoreError):
 
 
 def arrow_schema():
-    import pyarrow as pa
-
     ts = pa.timestamp("us", tz="UTC")
     return pa.schema(
         [
@@ -98,14 +99,10 @@ def arrow_schema():
 
 def carry_schema():
     """A carry-over row: a trajectory row plus its state (partial | unverified | verified)."""
-    import pyarrow as pa
-
     return arrow_schema().append(pa.field("carry_state", pa.string()))
 
 
 def carry_table(rows: list[dict]):
-    import pyarrow as pa
-
     return pa.Table.from_pylist([{**r, "schema_version": SCHEMA_VERSION} for r in rows], schema=carry_schema())
 
 
@@ -119,14 +116,10 @@ def check_schema_version(found: str, where: str) -> None:
 
 
 def rows_to_table(rows: list[dict]):
-    import pyarrow as pa
-
     return pa.Table.from_pylist([{**r, "schema_version": SCHEMA_VERSION} for r in rows], schema=arrow_schema())
 
 
 def table_bytes(table) -> bytes:
-    import pyarrow.parquet as pq
-
     buf = io.BytesIO()
     pq.write_table(table, buf, compression="zstd")
     return buf.getvalue()
@@ -242,9 +235,6 @@ def read_manifest(root: StorageRoot, directory: str) -> Manifest:
 
 def read_table(root: StorageRoot, manifest: Manifest, columns: Iterable[str] | None = None):
     """All rows of a committed version, every part's sha256 verified first; adds ``trajectory_version``."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     tables = []
     for part in manifest.parts:
         blob = _read_verified(root, manifest, part["path"], part["sha256"], "part")
@@ -282,8 +272,6 @@ def _read_verified(root: StorageRoot, manifest: Manifest, name: str, expected_sh
 
 def read_carryover(root: StorageRoot, manifest: Manifest) -> list[dict]:
     """The unfinished samples a round committed with its version (none: an empty list)."""
-    import pyarrow.parquet as pq
-
     blob = read_attachment(root, manifest, CARRYOVER)
     return [] if blob is None else pq.read_table(io.BytesIO(blob)).to_pylist()
 

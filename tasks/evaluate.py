@@ -18,10 +18,19 @@ from __future__ import annotations
 from typing import Annotated
 
 from models.engines.types import greedy_completions
+from storage import checkpoints
+from storage.files import lease
+from storage.model_versions import LineageError, parse_model_version
+from storage.paths import StorageRoot
+from storage.settings import settings
+from storage.tracking import LINE_TAG, Tracker, checkpoint_uri
 from tasks.config.evaluate import EvaluateConfig
 from tasks.config.prompts import PromptsConfig
 from tasks.config.verify import VerifyConfig
 from tasks.context import RoundContext
+from tasks.describe import describe_version
+from tasks.engines import close_engine, make_engine, serving_engine
+from tasks.prompts import evaluation_prompts
 from tasks.results import Evaluation, NotInput, Stats, VersionEvaluation
 from tasks.verifiers.outcome import Outcome, Verifier
 from tasks.verifiers.pool import run_verifier
@@ -70,8 +79,6 @@ def evaluate_checkpoint(
     ``role``: which live engine (tasks/engines.py; overlap mode evaluates on its own).
     Without it, a fresh engine is made and released after scoring.
     """
-    from tasks.engines import close_engine, make_engine, serving_engine
-
     verifier = scoring_verifier(verify)
     if policy_version is None:
         engine, tokenizer = make_engine(config.serving_engine, local_dir, config.serving_dtype, policy_version=0)
@@ -153,15 +160,6 @@ def run_evaluate(
 
     Idempotent: a version already carrying ``eval.promoted`` returns its recorded evaluation; a crash
     before that tag re-runs the (greedy, deterministic) evaluation and reaches the same gate decision."""
-    from storage import checkpoints
-    from storage.files import lease
-    from storage.model_versions import parse_model_version
-    from storage.paths import StorageRoot
-    from storage.settings import settings
-    from storage.tracking import Tracker
-    from tasks.describe import describe_version
-    from tasks.prompts import evaluation_prompts
-
     root = StorageRoot.of(ctx.storage)
     tracker = Tracker.connect(settings(), root)
     recorded: dict[str, str] = {}
@@ -210,8 +208,6 @@ def run_evaluate(
 def other_line(champion_tags: dict[str, str], candidate_tags: dict[str, str]) -> str | None:
     """The champion's line when it differs from the candidate's, else None. A version registered before
     lines were recorded has none and is taken to be of the candidate's line (there is nothing to tell)."""
-    from storage.tracking import LINE_TAG
-
     theirs, ours = champion_tags.get(LINE_TAG), candidate_tags.get(LINE_TAG)
     return theirs if theirs and ours and theirs != ours else None
 
@@ -219,9 +215,6 @@ def other_line(champion_tags: dict[str, str], candidate_tags: dict[str, str]) ->
 def check_same_line(name: str, alias: str, champion: str, champion_tags: dict, candidate_tags: dict) -> None:
     """Refuse to gate a checkpoint against a champion of another line: their accuracies were measured on
     other tasks or held-out sets, so comparing them would move the alias on a meaningless difference."""
-    from storage.model_versions import LineageError
-    from storage.tracking import LINE_TAG
-
     theirs = other_line(champion_tags, candidate_tags)
     if theirs is not None:
         ours = candidate_tags[LINE_TAG]
@@ -248,9 +241,6 @@ def champion_accuracy(
 
     A figure from another engine or dtype is not comparable (bfloat16 greedy answers differ from
     float32 ones), so a champion without one is scored now, on a fresh engine, and tagged."""
-    from storage import checkpoints
-    from storage.tracking import checkpoint_uri
-
     key = f"eval.{result['eval/engine']}.{result['eval/dtype']}.accuracy"
     registered = tracker.model_version(name, champion)
     if key in registered.tags:
@@ -288,13 +278,6 @@ def run_evaluate_version(
 ) -> VersionEvaluation:
     """Score a registered model version ('NAME/VERSION') at ``config``'s serving engine and dtype and at
     training precision; tag both and the gap on the version. The champion alias is not touched."""
-    from storage import checkpoints
-    from storage.model_versions import parse_model_version
-    from storage.paths import StorageRoot
-    from storage.settings import settings
-    from storage.tracking import Tracker, checkpoint_uri
-    from tasks.prompts import evaluation_prompts
-
     name, version = parse_model_version(model_version)
     root = StorageRoot.of(storage)
     tracker = Tracker.connect(settings(), root)

@@ -6,12 +6,18 @@ trajectory store. Every dropped row keeps its ``drop_reason``.
 
 from __future__ import annotations
 
+import io
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Annotated
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from storage.paths import CARRYOVER, StorageRoot
+from storage.trajectories import TrajectoryStoreError, arrow_schema, committed_round_version, read_table, write_version
 from tasks.config.filter import FilterConfig
 from tasks.context import RoundContext
 from tasks.results import NotInput, Stats, TrajectoryVersion
@@ -162,8 +168,6 @@ def length_bias(rows: list[dict]) -> dict[str, float]:
 
 
 def filter_stats(rows: list[dict]) -> dict[str, float]:
-    from collections import Counter
-
     reasons = Counter(r["drop_reason"] for r in rows if not r["kept"])
     kept_groups = {r["group_id"] for r in rows if r["kept"]}
     stats = {
@@ -207,10 +211,6 @@ DECISION_INPUTS = (
 
 def with_decisions(table, rows: list[dict]):
     """``table`` with its advantage, kept and drop_reason columns taken from ``rows`` (same order)."""
-    import pyarrow as pa
-
-    from storage.trajectories import arrow_schema
-
     schema = arrow_schema()
     for name in ("advantage", "kept", "drop_reason"):
         column = pa.array([r[name] for r in rows], type=schema.field(name).type)
@@ -234,18 +234,6 @@ def run_filter(
     its ``carryover.parquet`` attachment when there are any; the next round resumes them.
     ``rollout_stats`` travel in the manifest, so a resumed round still reports how its rollout went.
     Idempotent: once the round's version is committed it is returned as it is (staging is gone by then)."""
-    import io
-
-    import pyarrow.parquet as pq
-
-    from storage.paths import CARRYOVER, StorageRoot
-    from storage.trajectories import (
-        TrajectoryStoreError,
-        committed_round_version,
-        read_table,
-        write_version,
-    )
-
     root = StorageRoot.of(ctx.storage)
     committed = committed_round_version(root, ctx.run_id, ctx.round)
     if committed is not None:

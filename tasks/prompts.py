@@ -12,8 +12,11 @@ import json
 import random
 from collections.abc import Iterator
 
+import pyarrow.parquet as pq
+
 from models.builtin import BUILTIN_SOURCES
 from models.prompt import Prompt
+from storage.settings import filesystem_for
 from tasks.config.prompts import PromptsConfig
 
 
@@ -23,8 +26,6 @@ class PromptError(ValueError):
 
 def load_prompt_file(uri: str, task: str) -> list[Prompt]:
     """Read every prompt of a file, failing with one line that names the file and the fix."""
-    from storage.settings import filesystem_for
-
     fs = filesystem_for(uri)
     try:
         if uri.endswith(".jsonl"):
@@ -40,8 +41,6 @@ def load_prompt_file(uri: str, task: str) -> list[Prompt]:
                                 "prompt and reference"
                             ) from None
         else:
-            import pyarrow.parquet as pq
-
             with fs.open(uri, "rb") as f:
                 records = pq.read_table(f).to_pylist()
     except FileNotFoundError:

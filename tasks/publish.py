@@ -7,11 +7,16 @@ serving it) and ``publish/engine_pause_s`` (the part of that during which the en
 
 from __future__ import annotations
 
+import time
 from typing import Annotated
 
-from storage.tracking import LINE_TAG
+from storage import checkpoints
+from storage.paths import StorageRoot
+from storage.settings import settings
+from storage.tracking import LINE_TAG, Tracker
 from tasks.config.publish import PublishConfig
 from tasks.context import RoundContext
+from tasks.engines import serving_engine
 from tasks.results import NotInput, Published
 
 
@@ -62,14 +67,6 @@ def run_publish(
     """Register the checkpoint with its lineage tags, then load it into the live rollout engine
     (``engine`` at ``engine_dtype``, the round's rollout engine). ``load_engine`` False (overlap mode):
     register only; the running rollout takes the weights (its ``rollout/weight_update_*`` figures)."""
-    import time
-
-    from storage import checkpoints
-    from storage.paths import StorageRoot
-    from storage.settings import settings
-    from storage.tracking import Tracker
-    from tasks.engines import serving_engine
-
     start = time.time()
     committed_at = committed_at or start
     root = StorageRoot.of(ctx.storage)

@@ -18,12 +18,18 @@ the same parent and predicate always give the same version, and running it again
 
 from __future__ import annotations
 
-from datetime import UTC
+from collections import Counter
+from datetime import UTC, datetime
 
+from storage.paths import StorageRoot
+from storage.query import select_rows
+from storage.trajectories import find_version, parent_chain, read_table, rows_to_table, write_version
 from tasks.config.filter import FilterConfig
 from tasks.config.refilter import RefilterRequest, ReverifyRequest
 from tasks.filter import apply_decisions, decide, filter_stats
 from tasks.results import Reverified, TrajectoryVersion
+from tasks.verifiers.pool import VerifierPool
+from tasks.verifiers.registry import get_verifier, verifier_version
 
 DERIVED_KIND = "derived"
 
@@ -52,10 +58,6 @@ def recorded_filter(chain) -> FilterConfig:
 
 def run_refilter(*, storage: str, request: RefilterRequest) -> TrajectoryVersion:
     """Select, optionally regroup, and commit the derived version; returns its id, URI and statistics."""
-    from storage.paths import StorageRoot
-    from storage.query import select_rows
-    from storage.trajectories import find_version, parent_chain, read_table, rows_to_table, write_version
-
     root = StorageRoot.of(storage)
     parent = find_version(root, request.version)
     table = read_table(root, parent).drop_columns(["trajectory_version"])
@@ -123,15 +125,6 @@ def reverified_rows(
 
 def run_reverify(*, storage: str, request: ReverifyRequest) -> Reverified:
     """Verify the selected rows again and commit a derived version carrying the new verdicts."""
-    from collections import Counter
-    from datetime import datetime
-
-    from storage.paths import StorageRoot
-    from storage.query import select_rows
-    from storage.trajectories import find_version, parent_chain, read_table, rows_to_table, write_version
-    from tasks.verifiers.pool import VerifierPool
-    from tasks.verifiers.registry import get_verifier, verifier_version
-
     root = StorageRoot.of(storage)
     parent = find_version(root, request.version)
     table = read_table(root, parent).drop_columns(["trajectory_version"])

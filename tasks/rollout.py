@@ -23,13 +23,25 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated
 
+from models.checkpoint import context_length
 from models.engines.types import GroupRequest, SamplingParams
+from storage import checkpoints
+from storage.paths import StorageRoot
+from storage.trajectories import (
+    carry_table,
+    committed_round_version,
+    read_carryover,
+    read_manifest,
+    rows_to_table,
+    table_bytes,
+)
 from tasks.config.filter import FilterConfig
 from tasks.config.prompts import PromptsConfig
 from tasks.config.rollout import RolloutConfig
 from tasks.config.verify import VerifyConfig
 from tasks.context import RoundContext
 from tasks.curriculum import admitted, solved_prompts
+from tasks.engines import Placement, connect_ray, serving_engine
 from tasks.filter import group_is_trainable
 from tasks.overlap import NextPolicy, Overlapped, RolloutCancelled
 from tasks.prompts import PromptError, prompt_stream
@@ -131,8 +143,6 @@ def generate_and_verify(
         return text
 
     if verify.on_ray:
-        from tasks.engines import Placement, connect_ray
-
         connect_ray(Placement(rollout.replicas, rollout.ray_address))
     verifiers = VerifierPool(
         rollout_verifier(verifier_name, verify, seed),
@@ -312,9 +322,6 @@ def rollout_stats(
 def carry_source(storage: str, run_id: str, round_index: int) -> str | None:
     """The trajectory version whose carry-over round ``round_index`` resumes: the previous round's
     committed version (its URI), or None for the first round."""
-    from storage.paths import StorageRoot
-    from storage.trajectories import committed_round_version
-
     if round_index <= 1:
         return None
     previous = committed_round_version(StorageRoot.of(storage), run_id, round_index - 1)
@@ -342,19 +349,6 @@ def run_rollout(
     are staged beside its rows (``Staged.carryover``) for filter to commit with its version.
     ``overlap``: start from ``overlap.start_checkpoint`` instead, while the parent is still training,
     and switch to the parent mid-way (tasks/overlap.py)."""
-    from models.checkpoint import context_length
-    from storage import checkpoints
-    from storage.paths import StorageRoot
-    from storage.trajectories import (
-        carry_table,
-        committed_round_version,
-        read_carryover,
-        read_manifest,
-        rows_to_table,
-        table_bytes,
-    )
-    from tasks.engines import Placement, serving_engine
-
     root = StorageRoot.of(ctx.storage)
     committed = committed_round_version(root, ctx.run_id, ctx.round)
     if committed is not None:  # resumed after filter committed this round: generating again could only differ

@@ -9,16 +9,27 @@ next round (or a replay) continues exactly.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated
 
+import pyarrow.compute as pc
+import torch
+
+from models.checkpoint import load_policy, save_policy
+from models.logprobs import completion_logprobs, pack_shared, right_padded
 from models.loss import LossInputs, LossSettings, logprob_mismatch, policy_loss, pooled_mismatch
+from storage import checkpoints
+from storage.paths import StorageRoot
+from storage.trajectories import read_manifest, read_table
 from tasks.config.train import TrainConfig
 from tasks.context import RoundContext
+from tasks.report import report_progress
 from tasks.results import NotInput, Trained
 
 OPTIMIZER_FILE = "optimizer.pt"
@@ -74,8 +85,6 @@ def minibatches(
 
 
 def _group_key(seed: int, group_id: str) -> bytes:
-    import hashlib
-
     return hashlib.blake2b(f"{seed}/{group_id}".encode(), digest_size=8).digest()
 
 
@@ -92,10 +101,6 @@ def train_policy(
     progress=None,
 ):
     """Run the optimizer steps; returns (optimizer state dict, stats)."""
-    import torch
-
-    from models.logprobs import completion_logprobs, pack_shared, right_padded
-
     torch.manual_seed(config.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
     if optimizer_state is not None:
@@ -216,8 +221,6 @@ def train_policy(
 def policy_drift(current, sampling, mask) -> float:
     """How far the weights being trained have moved from the sampling policy over one minibatch: the k3
     estimate of KL(sampling || current), mean over its tokens. current, sampling, mask: [B, C]."""
-    import torch
-
     with torch.no_grad():
         log_ratio = (current - sampling) * mask
         return float(((log_ratio.exp() - 1 - log_ratio) * mask).sum() / mask.sum().clamp(min=1.0))
@@ -231,8 +234,6 @@ def freshness_stats(tokens, tis_cap: float) -> dict[str, float]:
     The divergence figures compare the behaviour policy with the weights each token was trained at, so
     they hold numerics, carried-over versions and the round's own drift (minibatch k is k steps past
     the sampling weights); the k3 estimate is of KL(mu || pi) over tokens sampled from mu."""
-    import torch
-
     if tokens.shape[0] == 0:
         return {}
     lag, log_w = tokens[:, 0].double(), tokens[:, 1].double()  # [N], [N]
@@ -250,14 +251,10 @@ def freshness_stats(tokens, tis_cap: float) -> dict[str, float]:
 
 
 def save_optimizer(state: dict, directory: str) -> None:
-    import torch
-
     torch.save(state, os.path.join(directory, OPTIMIZER_FILE))
 
 
 def load_optimizer(directory: str) -> dict | None:
-    import torch
-
     path = os.path.join(directory, OPTIMIZER_FILE)
     return torch.load(path, weights_only=True) if os.path.exists(path) else None
 
@@ -324,8 +321,6 @@ def proximal_plan(
 
 
 def kept_rows(table) -> list[dict]:
-    import pyarrow.compute as pc
-
     return table.filter(pc.field("kept")).select(TRAIN_COLUMNS).to_pylist()
 
 
@@ -344,13 +339,6 @@ def run_train(
 
     ``temperature`` and ``rollout_dtype``: what the behaviour logprobs were recorded under (the loss
     recomputes logprobs at that temperature; the dtype decides whether the proximal pass is needed)."""
-    import tempfile
-
-    from models.checkpoint import load_policy, save_policy
-    from storage import checkpoints
-    from storage.paths import StorageRoot
-    from storage.trajectories import read_manifest, read_table
-
     root = StorageRoot.of(ctx.storage)
     target = target_checkpoint or root.checkpoint(ctx.run_id, ctx.round)
     if checkpoints.is_committed(root, target):  # resumed after the commit: never train twice
@@ -375,7 +363,7 @@ def run_train(
         config.recompute_proximal, rollout_dtype, [r["engine"] for r in rows], batches, ctx.parent_policy_version
     )
     if progress is None:
-        from tasks.report import report_progress as progress
+        progress = report_progress
     started_at = time.time()  # the round's straggler wait ends here (tasks/report.py)
     state, stats = train_policy(
         model,

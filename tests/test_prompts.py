@@ -6,7 +6,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from models import addition
+from models.builtin import addition
 from tasks.config.prompts import PromptsConfig
 from tasks.prompts import PromptError, evaluation_prompts, load_prompt_file, prompt_stream
 

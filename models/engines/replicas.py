@@ -30,6 +30,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from models.checkpoint import set_threads
 from models.engines.types import EngineInfo, GeneratedSample, GroupRequest, unstarted
 
 FLUSH_SAMPLES = 64  # a replica sends finished samples back in batches of at most this many ...
@@ -43,8 +44,6 @@ class EngineReplica:
     """The actor body: one engine, driven by the router. Wrapped with ``ray.remote`` at start."""
 
     def __init__(self, build: Callable[[], Any], threads: int):
-        from models.checkpoint import set_threads
-
         set_threads(threads)  # Ray's OMP_NUM_THREADS already gives an actor its CPUs: usually nothing to do
         self.engine = build()
         self._stopped: set[str] = set()  # generation ids whose samples must stop
@@ -105,7 +104,7 @@ class ReplicaRouter:
     """N engine actors seen as one engine: prompt-affinity routing, finish-order results."""
 
     def __init__(self, actors: list[Any], groups_per_call: int, calls_per_replica: int = 2):
-        import ray
+        import ray  # Ray only where engines or verifiers run on it: importing it takes seconds
 
         self.actors = actors
         self.groups_per_call = max(1, groups_per_call)
@@ -131,7 +130,7 @@ class ReplicaRouter:
         groups_per_call: int = 64,
     ) -> ReplicaRouter:
         """Start ``replicas`` actors on the connected Ray cluster (``ray.init`` must have run)."""
-        import ray
+        import ray  # Ray only where engines or verifiers run on it: importing it takes seconds
 
         # The default group stays one thread (one call drives the engine at a time); stop() has its own.
         actor_class = ray.remote(num_cpus=cpus_per_replica, num_gpus=gpus_per_replica, concurrency_groups={CONTROL: 1})(
@@ -149,7 +148,7 @@ class ReplicaRouter:
     ) -> Iterator[GeneratedSample]:
         """Keep up to ``calls_per_replica`` calls of ``groups_per_call`` groups on each replica;
         pull more groups only when a replica has room for another call."""
-        import ray
+        import ray  # Ray only where engines or verifiers run on it: importing it takes seconds
 
         feed = iter(groups)
         queues: list[deque[GroupRequest]] = [deque() for _ in self.actors]
@@ -212,14 +211,14 @@ class ReplicaRouter:
 
     def load_weights(self, checkpoint_dir: str, policy_version: int) -> float:
         """Every replica loads the weights in place, concurrently; the pause is the longest one."""
-        import ray
+        import ray  # Ray only where engines or verifiers run on it: importing it takes seconds
 
         pauses = ray.get([a.load_weights.remote(checkpoint_dir, policy_version) for a in self.actors])
         self.policy_version = policy_version
         return max(pauses)
 
     def close(self) -> None:
-        import ray
+        import ray  # Ray only where engines or verifiers run on it: importing it takes seconds
 
         try:
             ray.get([a.close.remote() for a in self.actors], timeout=60)

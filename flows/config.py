@@ -76,14 +76,13 @@ class RoundConfig(Config):
     seed: int = 0
     """Seeds prompt order and sampling; a round's seed is derived from it and the round index."""
     mode: Literal["sync", "overlap"] = "sync"
-    """'sync': a round's rollout starts once the previous round has trained, published and evaluated.
-    'overlap': round k+1's rollout runs while round k trains; round k's weights go into the running
-    engine between two decode steps (rollout.update_kv says what happens to sequences in flight), so
-    rows mix two policy versions, each token labelled with its own; evaluation gets an engine of its own."""
+    """'sync': a round's rollout starts once the previous round has trained, published and evaluated. 'overlap':
+    round k+1's rollout runs while round k trains and takes round k's weights between two decode steps
+    (rollout.update_kv); each token records its policy version."""
     overlap_update_after: float = Field(0.5, gt=0.0, le=4.0)
-    """mode overlap: the next round's rollout takes the new weights once it has finished this many times
-    target_groups x samples_per_prompt samples, waiting there for training if it is late. A count, not a
-    time, so rows and resumes stay reproducible; lower means fresher rows but more waiting."""
+    """mode overlap: the next round's rollout takes the new weights after this many times target_groups x
+    samples_per_prompt finished samples, waiting for training if it is late. A count, not a time, so rows stay
+    reproducible."""
 
     @property
     def target_groups(self) -> int:

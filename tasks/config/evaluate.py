@@ -24,8 +24,8 @@ class EvaluateConfig(Config):
     champion_alias: str = "champion"
     """Registry alias moved to a checkpoint whose serving accuracy is not below the current champion's."""
     approval: Literal["none", "required"] = "none"
-    """Who moves the champion alias once a checkpoint passes the gate. 'none': the round moves it.
-    'required': the round pauses after evaluation, shows its accuracy beside the champion's, and waits
-    for a person to approve or reject in the Prefect UI; only an approval moves the alias."""
+    """Who moves the champion alias once a checkpoint passes the gate. 'none': the round. 'required': the round
+    pauses after evaluation, shows its accuracy beside the champion's, and waits for a person to approve or reject
+    it in the Prefect UI."""
     approval_timeout_s: int = Field(86_400, ge=1)
     """How long a round waits for an approval; no answer by then rejects the checkpoint."""

@@ -21,13 +21,12 @@ class FilterConfig(Config):
     epsilon: float = Field(1e-6, gt=0)
     """Added to the standard deviation so near-constant groups do not explode."""
     max_staleness: int | None = Field(None, ge=0)
-    """Most policy versions a sample's oldest token may lag the policy it trains (the round's parent).
-    Carried-over partial rollouts lag by one version per round they waited. Older samples are dropped
-    ('stale') and their group's advantages computed without them. None: no bound; the loss still
-    corrects older tokens with its truncated importance weights (train.tis_cap)."""
+    """Most policy versions a sample's oldest token may lag the policy it trains (the round's parent); older samples
+    are dropped ('stale') and their group's advantages computed without them. None: no bound (train.tis_cap's
+    truncated importance weights still correct them)."""
     overlong: Literal["keep", "drop", "penalty"] = "keep"
-    """Samples cut at the sampling limit (rollout.max_tokens): 'keep' them as scored; 'drop' them from
-    training ('overlong'); or 'penalty': a soft length penalty added to the reward over the last
-    overlong_buffer tokens before the limit, falling linearly from 0 to -1 at the limit (DAPO)."""
+    """Samples cut at rollout.max_tokens: 'keep' them as scored; 'drop' them from training ('overlong'); or
+    'penalty': add a reward penalty over the last overlong_buffer tokens before the limit, falling linearly from 0
+    to -1 at it (DAPO)."""
     overlong_buffer: int = Field(4, ge=1)
     """Tokens before the sampling limit over which the 'penalty' rule ramps."""

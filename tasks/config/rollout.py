@@ -37,21 +37,17 @@ class RolloutConfig(Config):
     max_prompts_factor: float = Field(8.0, ge=1.0)
     """Over-provisioning cap: at most this many times the target groups are generated per round."""
     collection: Literal["ready_pool", "sync_barrier"] = "ready_pool"
-    """How a round collects its batch. 'ready_pool': prompts are fed as the engine has room, each sample
-    is verified as it finishes, feeding stops once enough groups are trainable. 'sync_barrier': the
-    baseline most trainers use (dynamic sampling): generate target_groups prompts at once, wait for every
-    sample and every verdict, repeat while short of the target; partial_rollouts does not apply."""
+    """How a round collects its batch. 'ready_pool': feed prompts as the engine has room, verify samples as they
+    finish, until enough groups are trainable. 'sync_barrier': generate target_groups prompts at once, await every
+    verdict, repeat while short (no partial rollouts)."""
     partial_rollouts: bool = True
-    """Once the trainable batch is full, stop the samples still generating and carry them (with the
-    samples still waiting on the environment) over to the next round, which resumes them first under
-    its newer policy; every token keeps the policy version that sampled it. Off: samples in flight run
-    to the end and their groups are stored as 'batch_full' (a synchronous barrier on the long tail)."""
+    """Once the trainable batch is full, stop the samples in flight and carry them to the next round, which resumes
+    them first under its newer policy; each token keeps its policy version. Off: they finish and are stored as
+    'batch_full'."""
     update_kv: Literal["recompute", "keep"] = "recompute"
-    """round.mode overlap: what the sequences in flight do when new weights arrive mid-generation.
-    'recompute': their prompt + prefix is prefilled again under the new weights, so every token's
-    behaviour logprob is exactly its version's; 'keep': their KV cache from the old weights is kept
-    (no recompute pass; the tokens after the update come from a mixture neither version reproduces)."""
+    """round.mode overlap: what sequences in flight do when new weights arrive. 'recompute': prefill their prompt
+    and prefix again under the new weights, so each token's behaviour logprob is its version's. 'keep': keep the old
+    KV cache (no recompute, mixed logprobs)."""
     verdict_wait_s: float = Field(0.1, ge=0.0)
-    """How long the ready pool may wait for verdicts at a decision (is the batch full?) before it treats
-    the environment as slow and stops waiting for it for the rest of the round. An environment that
-    answers within it makes the round's stop point, and so its rows, reproducible; 0 never waits."""
+    """How long the ready pool waits for verdicts at a decision (is the batch full?) before treating the environment
+    as slow for the rest of the round. Verdicts within it keep the stop point and rows reproducible; 0: never wait."""

@@ -99,9 +99,9 @@ class VerifyConfig(Config):
     workers: int = Field(2, ge=1, le=256)
     """Verifier threads, sized independently of the engine: scoring overlaps generation."""
     on_ray: bool = False
-    """Run rollout's verifier calls as Ray tasks on the cluster the engines use (rollout.ray_address, or
-    a local Ray): for verifiers that need more machines than the flow's. Each of the ``workers`` threads
-    waits on one task at a time. Every node must be able to import this code."""
+    """Run rollout's verifier calls as Ray tasks on the engines' cluster (rollout.ray_address, or a local Ray), for
+    verifiers that need more machines than the flow's. Each of the workers threads waits on one task; every node
+    must import this code."""
     max_infra_failure_rate: float = Field(0.2, ge=0.0, le=1.0)
     """A round whose share of infrastructure failures exceeds this fails loudly instead of training."""
     infra_retries: int = Field(2, ge=0, le=10)

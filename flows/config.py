@@ -26,7 +26,7 @@ from tasks.config.prompts import PromptsConfig
 from tasks.config.publish import PublishConfig
 from tasks.config.rollout import RolloutConfig
 from tasks.config.train import TrainConfig
-from tasks.config.verify import VERIFIER_NAMES, VerifyConfig
+from tasks.config.verify import KNOWN_VERIFIERS, VerifyConfig
 
 BUILTIN_BASE = "builtin"
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -111,10 +111,10 @@ class RoundConfig(Config):
 
     @model_validator(mode="after")
     def _verifier_known(self) -> RoundConfig:
-        if self.verifier not in VERIFIER_NAMES:
+        if self.verifier not in KNOWN_VERIFIERS:
             raise ValueError(
                 f"no verifier named {self.verifier!r}; "
-                f"set verify.verifier to one of: {', '.join(sorted(VERIFIER_NAMES))}"
+                f"set verify.verifier to one of: {', '.join(sorted(KNOWN_VERIFIERS))}"
             )
         return self
 

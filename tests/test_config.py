@@ -183,7 +183,7 @@ def test_the_configuration_reference_is_current():
 
 def test_the_verifiers_a_config_may_name_are_the_registrys():
     """The config checks verifier names without importing the verifiers; the registry builds each one."""
-    from tasks.config.verify import VERIFIER_NAMES
+    from tasks.config.verify import KNOWN_VERIFIERS
     from tasks.verifiers.registry import VERIFIERS
 
-    assert sorted(VERIFIER_NAMES) == sorted(VERIFIERS)
+    assert sorted(KNOWN_VERIFIERS) == sorted(VERIFIERS)

@@ -257,6 +257,7 @@ def test_injected_faults_are_labelled_kept_out_of_the_loss_and_the_round_complet
     from flows.config import RoundConfig
     from storage.paths import StorageRoot
     from storage.trajectories import read_manifest, read_table
+    from tasks.config.verify import KNOWN_VERIFIERS
     from tasks.context import RoundContext
     from tasks.filter import run_filter
     from tasks.rollout import run_rollout
@@ -266,6 +267,7 @@ def test_injected_faults_are_labelled_kept_out_of_the_loss_and_the_round_complet
 
     faults = InjectedFaults()
     monkeypatch.setitem(registry.VERIFIERS, "faulty", VerifierSpec("test", lambda _config: faults))
+    monkeypatch.setitem(KNOWN_VERIFIERS, "faulty", "test")
     config = RoundConfig.model_validate(
         {
             "verify": {
@@ -356,6 +358,7 @@ def test_a_round_past_the_infra_failure_limit_fails_loudly_and_stages_nothing(
 ):
     from flows.config import RoundConfig
     from storage.paths import StorageRoot
+    from tasks.config.verify import KNOWN_VERIFIERS
     from tasks.context import RoundContext
     from tasks.rollout import run_rollout
     from tasks.verifiers import registry
@@ -365,6 +368,7 @@ def test_a_round_past_the_infra_failure_limit_fails_loudly_and_stages_nothing(
         raise VerifierInfraError("sandbox could not start: /proc is read-only")
 
     monkeypatch.setitem(registry.VERIFIERS, "broken", VerifierSpec("test", lambda _config: broken))
+    monkeypatch.setitem(KNOWN_VERIFIERS, "broken", "test")
     config = RoundConfig.model_validate(
         {
             "verify": {"verifier": "broken", "infra_retry_budget": 8},

@@ -41,6 +41,7 @@ def registry(tmp_path, tiny_policy_dir, monkeypatch):
     from storage.paths import StorageRoot
     from storage.settings import settings
     from storage.tracking import Tracker
+    from tasks.config.verify import KNOWN_VERIFIERS
     from tasks.engines import drop_serving_engines
     from tasks.publish import lineage_tags
     from tasks.verifiers import registry as verifiers
@@ -48,6 +49,7 @@ def registry(tmp_path, tiny_policy_dir, monkeypatch):
 
     judge = Judge()
     monkeypatch.setitem(verifiers.VERIFIERS, "judge", VerifierSpec("test", lambda _config: judge))
+    monkeypatch.setitem(KNOWN_VERIFIERS, "judge", "test")
     drop_serving_engines()
     storage = str(tmp_path / "data")
     tracker = Tracker.connect(settings(), StorageRoot.of(storage))

@@ -17,11 +17,13 @@ def coin(completion, reference):
 
 @pytest.fixture
 def coin_verifier(monkeypatch):
+    from tasks.config.verify import KNOWN_VERIFIERS
     from tasks.engines import drop_serving_engines
     from tasks.verifiers import registry
     from tasks.verifiers.registry import VerifierSpec
 
     monkeypatch.setitem(registry.VERIFIERS, "coin", VerifierSpec("test", lambda _config: coin))
+    monkeypatch.setitem(KNOWN_VERIFIERS, "coin", "test")
     drop_serving_engines()  # the rounds below start serving engines on tiny policies of their own shape
     yield "coin"
     drop_serving_engines()

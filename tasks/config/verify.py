@@ -10,8 +10,14 @@ from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 
 from tasks.config.base import Config
 
-VERIFIER_NAMES = ("addition", "longtail", "math", "python")
-"""The verifiers a round can name (tasks/verifiers/registry.py builds each one)."""
+KNOWN_VERIFIERS: dict[str, str] = {
+    "addition": "the built-in addition task: exact integer match",
+    "longtail": "the built-in count-down task: exact list match",
+    "math": "free-form final answers, compared by math-verify",
+    "python": "Python code run against the reference's asserts in a sandbox",
+}
+"""The verifiers a round can name, and what each checks. tasks/verifiers/registry.py builds them; a test
+that registers a verifier of its own adds its name here too."""
 
 _Z99 = statistics.NormalDist().inv_cdf(0.99)  # p99 of a lognormal is median * exp(sigma * z99)
 

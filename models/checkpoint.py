@@ -54,7 +54,7 @@ def set_threads(count: int) -> int:
 
 
 def check_policy_dir(path: str) -> None:
-    """Fail with one line naming what is missing, before any heavy import."""
+    """Fail with one line naming what is missing, before any weights are read."""
     if not os.path.isdir(path):
         raise PolicyLoadError(
             f"policy directory {path} does not exist; set policy.base_model to a Hugging Face causal-LM directory or "

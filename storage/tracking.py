@@ -44,7 +44,7 @@ CHECKPOINT_TAG = "checkpoint"
 inside the run's artifact directory, so through one a local checkpoint is registered with the run's
 artifact URI as its source and found by this tag (``checkpoint_uri``)."""
 LINE_TAG = "line"
-"""A model version's promotion line (tasks/publish.py, promotion_line): the champion gate compares only
+"""A model version's promotion line (tasks/config/publish.py, promotion_line): the champion gate compares only
 versions of one line. Versions registered before lines existed have none."""
 
 

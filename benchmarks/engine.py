@@ -46,7 +46,7 @@ def build_model(vocab_hidden=(16, 128), seed: int = 0):
 
 
 def prompts(count: int) -> list[str]:
-    from models import addition
+    from models.builtin import addition
 
     return [p.text for p in addition.training_prompts(seed=123, count=count)]
 

@@ -46,7 +46,7 @@ def save_model(directory: str, hidden: int, layers: int, heads: int, ffn: int, s
 
 
 def requests(tokenizer, prompts: int, samples: int, tokens: int, seed: int):
-    from models import addition
+    from models.builtin import addition
     from models.engines.types import GroupRequest, SamplingParams
 
     params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=tokens, seed=seed, ignore_eos=True)

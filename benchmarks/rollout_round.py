@@ -18,10 +18,11 @@ import time
 
 def one_round(engine, tokenizer, groups: int, partial: bool, seed: int, inline: bool = True) -> dict:
     import tasks.rollout
-    from tasks.filter import FilterConfig
-    from tasks.prompts import PromptsConfig
-    from tasks.rollout import RolloutConfig, generate_and_verify
-    from tasks.verifiers.config import VerifyConfig
+    from tasks.config.filter import FilterConfig
+    from tasks.config.prompts import PromptsConfig
+    from tasks.config.rollout import RolloutConfig
+    from tasks.config.verify import VerifyConfig
+    from tasks.rollout import generate_and_verify
 
     declared = tasks.rollout.scores_inline
     if not inline:  # what every verifier got before ``VerifierSpec.inline``: a worker thread per call
@@ -52,7 +53,7 @@ def one_round(engine, tokenizer, groups: int, partial: bool, seed: int, inline: 
 
 
 def main() -> None:
-    from tasks.train import TrainConfig
+    from tasks.config.train import TrainConfig
 
     train = TrainConfig()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -27,8 +27,8 @@ import time
 
 
 def main() -> None:
-    from tasks.rollout import RolloutConfig
-    from tasks.train import TrainConfig
+    from tasks.config.rollout import RolloutConfig
+    from tasks.config.train import TrainConfig
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--storage", required=True)
@@ -56,7 +56,8 @@ def main() -> None:
     from storage import checkpoints
     from storage.paths import StorageRoot
     from tasks.base import run_prepare_base
-    from tasks.prompts import PromptsConfig, prompt_stream
+    from tasks.config.prompts import PromptsConfig
+    from tasks.prompts import prompt_stream
 
     root = StorageRoot.of(args.storage)
     if args.run_id is None:

@@ -29,8 +29,9 @@ from models.checkpoint import load_policy
 from models.engines.embedded import EmbeddedEngine
 from models.engines.types import GroupRequest, SamplingParams
 from models.logprobs import logprobs_by_version
+from tasks.config.prompts import PromptsConfig
 from tasks.overlap import UpdateAtStep
-from tasks.prompts import PromptsConfig, prompt_stream
+from tasks.prompts import prompt_stream
 
 
 def measure(old: str, new: str, update_kv: str, groups: int, seed: int) -> dict:

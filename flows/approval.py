@@ -17,8 +17,8 @@ from prefect.input import RunInput
 from flows.progress import artifact_key, stage_logger
 from flows.tasks import decide_promotion_task
 from tasks.approval import approval_markdown
+from tasks.config.evaluate import EvaluateConfig
 from tasks.context import RoundContext
-from tasks.evaluate import EvaluateConfig
 from tasks.results import Evaluation, NotInput, Promotion
 
 

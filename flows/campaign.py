@@ -7,11 +7,13 @@ flow with the same run_id, or ``rlrounds run --resume RUN_ID``, continues from t
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import subprocess
 import time
 import uuid
+from importlib.metadata import PackageNotFoundError, version
 
 from prefect import flow
 
@@ -41,8 +43,6 @@ def code_version() -> str:
 
 def dependency_lock_hash(path: str | None = None) -> str | None:
     """sha256 prefix of the dependency lock beside this code (None when it is not there, e.g. a wheel)."""
-    import hashlib
-
     path = path or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "constraints.txt")
     try:
         with open(path, "rb") as f:
@@ -72,8 +72,6 @@ def _code_part() -> str:
         ).stdout.strip()
         return f"git:{sha}{'+dirty' if dirty else ''}"
     except (OSError, subprocess.SubprocessError):
-        from importlib.metadata import PackageNotFoundError, version
-
         try:
             return f"rlrounds=={version('rlrounds')}"
         except PackageNotFoundError:

@@ -1,5 +1,5 @@
-"""The ``rlrounds`` command line. Heavy imports (torch, prefect, mlflow) happen inside commands, so
-``rlrounds --help`` answers at once.
+"""The ``rlrounds`` command line. The modules that import torch, Prefect or MLflow are imported by the
+command that runs them, so ``rlrounds --help`` and ``rlrounds config`` answer at once.
 
 Errors the user can fix end in one line naming the problem and the fix (exit 2); ``--debug`` shows
 the traceback instead.
@@ -12,9 +12,18 @@ import logging
 import os
 import sys
 import time
+import warnings
+
+from pydantic import ValidationError
 
 from flows.cli_data import add_commands, model_version_arg, storage_arg
+from flows.config import CampaignConfig, ConfigError, commented_yaml, describe_validation_error, load_campaign_config
 from flows.errors import UserError
+from flows.orphans import take_over
+from storage.campaigns import claim, stored_config
+from storage.files import probe_writable
+from storage.paths import StorageRoot
+from storage.settings import settings
 
 EXIT_USAGE = 2
 # CampaignConfig.rounds' default, repeated so `--help` needs no config import; tests/test_install.py keeps them equal.
@@ -35,7 +44,6 @@ def quiet_libraries(debug: bool) -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     logging.getLogger("mlflow").setLevel(logging.DEBUG if debug else logging.WARNING)
     logging.getLogger("alembic").setLevel(logging.DEBUG if debug else logging.WARNING)
-    import warnings
 
     if not debug:
         warnings.filterwarnings("ignore")
@@ -79,9 +87,6 @@ def _setup_logging() -> None:
 
 def check_storage_writable(uri: str) -> None:
     """Fail before anything is written if the storage root cannot take files."""
-    from storage.files import probe_writable
-    from storage.paths import StorageRoot
-
     root = StorageRoot.of(uri)
     try:
         probe_writable(root)
@@ -93,8 +98,6 @@ def check_storage_writable(uri: str) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from flows.config import ConfigError, load_campaign_config
-
     if args.resume and args.run_id:
         raise UserError("--run-id starts a campaign and --resume RUN_ID continues one; pass only one of them")
     storage = args.storage or _settings_storage()
@@ -127,12 +130,6 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _resume_config(run_id: str, path: str | None, rounds: int | None, storage: str, preset: str | None = None):
     """The config to resume with: the stored one, or --preset/--config (which the flow checks against it)."""
-    from pydantic import ValidationError
-
-    from flows.config import CampaignConfig, ConfigError, describe_validation_error, load_campaign_config
-    from storage.campaigns import stored_config
-    from storage.paths import StorageRoot
-
     if path or preset:
         return load_campaign_config(path, preset, rounds=rounds, run_id=run_id)
     data = {**stored_config(StorageRoot.of(storage), run_id), "run_id": run_id}
@@ -150,8 +147,6 @@ def _resume_config(run_id: str, path: str | None, rounds: int | None, storage: s
 def _check_before_starting(config, storage: str, resume: bool, takeover: bool) -> None:
     """Every input and ownership check the flow makes first, made here before Prefect starts, so a
     problem costs a second and ends in one line with nothing written. The flow repeats them (cheap)."""
-    from storage.campaigns import claim
-    from storage.paths import StorageRoot
     from tasks.preflight import run_preflight
 
     if config.run_id:
@@ -168,17 +163,11 @@ def _check_before_starting(config, storage: str, resume: bool, takeover: bool) -
 
 
 def _settings_storage() -> str:
-    from storage.settings import settings
-
     return settings().storage
 
 
 def _with_rollout(config, **fields):
     """``run --replicas/--ray-address`` applied to round.rollout, validated like a config file's values."""
-    from pydantic import ValidationError
-
-    from flows.config import CampaignConfig, ConfigError, describe_validation_error
-
     fields = {k: v for k, v in fields.items() if v is not None}
     if not fields:
         return config
@@ -192,8 +181,6 @@ def _with_rollout(config, **fields):
 
 def cmd_eval(args: argparse.Namespace) -> int:
     """Score a registered model version at a serving engine/dtype and at training precision."""
-    from flows.config import ConfigError, load_campaign_config
-
     try:
         config = load_campaign_config(args.config)
     except ConfigError as exc:
@@ -217,8 +204,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    from flows.config import ConfigError, commented_yaml, load_campaign_config
-
     try:
         config = load_campaign_config(None, args.preset)
     except ConfigError as exc:
@@ -294,7 +279,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     quiet_libraries(args.debug)
     _setup_logging()
-    from flows.orphans import take_over
 
     take_over("rlrounds")  # what campaigns killed before they could stop their children left behind
     if args.debug:
@@ -315,30 +299,28 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
 
 
+KNOWN_INPUT_ERRORS = frozenset(
+    {
+        "models.checkpoint.PolicyLoadError",
+        "tasks.prompts.PromptError",
+        "storage.campaigns.CampaignError",
+        "tasks.verifiers.pool.InfraFailureRateError",
+        "storage.model_versions.LineageError",  # includes storage.lineage.AuditError, tasks.replay.ReplayError
+        "storage.trajectories.TrajectoryStoreError",  # includes CorruptPartError
+        "storage.query.QueryError",
+        "storage.checkpoints.CheckpointError",
+    }
+)
+"""Errors that name a fix the user can make, by module and class. Named rather than imported: an error
+of one of these types exists only once its module is, and importing them all would import torch and
+pyarrow into every command (tests/test_bad_input.py checks each name is a class)."""
+
+
 def _known_input_error(exc: BaseException) -> str | None:
     """Errors that name a fix the user can make; anything else is a bug and keeps its traceback."""
-    from models.checkpoint import PolicyLoadError
-    from storage.campaigns import CampaignError
-    from storage.checkpoints import CheckpointError
-    from storage.query import QueryError
-    from storage.tracking import LineageError  # includes storage.lineage.AuditError, tasks.replay.ReplayError
-    from storage.trajectories import TrajectoryStoreError  # includes CorruptPartError
-    from tasks.prompts import PromptError
-    from tasks.verifiers.pool import InfraFailureRateError
-
-    known = (
-        PolicyLoadError,
-        PromptError,
-        CampaignError,
-        InfraFailureRateError,
-        LineageError,
-        TrajectoryStoreError,
-        QueryError,
-        CheckpointError,
-    )
     seen: BaseException | None = exc
     while seen is not None:
-        if isinstance(seen, known):
+        if any(f"{kind.__module__}.{kind.__qualname__}" in KNOWN_INPUT_ERRORS for kind in type(seen).__mro__):
             return str(seen)
         seen = seen.__cause__ or seen.__context__
     return None

@@ -2,8 +2,8 @@
 reverify, replay, lineage, gc, and the tracking server over a root's MLflow store. ``add_commands``
 registers them on the main parser (flows/cli.py).
 
-Only argparse is imported here at module level; each command imports what it needs, so
-``rlrounds --help`` stays instant. Read-only commands never create anything under the root.
+The modules that import pyarrow, DuckDB, MLflow or Prefect are imported by the command that uses them,
+so ``rlrounds --help`` stays instant. Read-only commands never create anything under the root.
 """
 
 from __future__ import annotations
@@ -15,10 +15,19 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from pydantic import ValidationError
+
+from flows.config import ConfigError, ReplayRequest, load_campaign_config
+from flows.errors import UserError
+from storage.gc import DEFAULT_GRACE_S, collect
+from storage.model_versions import parse_model_version
+from storage.paths import StorageRoot
+from storage.settings import settings
+from tasks.config.refilter import REVERIFY_DEFAULT_WHERE, RefilterRequest, ReverifyRequest
+from tasks.config.verify import VerifyConfig
+
 
 def add_commands(sub) -> None:
-    from storage.gc import DEFAULT_GRACE_S  # storage.gc imports nothing heavy
-
     trajectories = sub.add_parser("trajectories", help="list, inspect and export committed trajectory versions")
     tsub = trajectories.add_subparsers(dest="trajectories_command", required=True)
     with storage_command(tsub, "list", cmd_list, "every committed trajectory version under the storage root") as c:
@@ -129,10 +138,6 @@ def model_version_arg(parser: argparse.ArgumentParser) -> None:
 
 def _root(args: argparse.Namespace):
     """The storage root to read; a local one must exist (read commands never create one)."""
-    from flows.errors import UserError
-    from storage.paths import StorageRoot
-    from storage.settings import settings
-
     uri = args.storage or settings().storage
     root = StorageRoot.of(uri)
     if root.is_local and not os.path.isdir(root.uri):
@@ -249,8 +254,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_refilter(args: argparse.Namespace) -> int:
-    from flows.errors import UserError
-    from tasks.refilter import RefilterRequest, run_refilter
+    from tasks.refilter import run_refilter
 
     if args.target_groups is not None and (not args.regroup or args.target_groups < 1):
         raise UserError("--target-groups needs --regroup and a positive number of groups")
@@ -269,9 +273,7 @@ def cmd_refilter(args: argparse.Namespace) -> int:
 
 
 def cmd_reverify(args: argparse.Namespace) -> int:
-    from flows.errors import UserError
-    from tasks.refilter import REVERIFY_DEFAULT_WHERE, ReverifyRequest, run_reverify
-    from tasks.verifiers.config import VerifyConfig
+    from tasks.refilter import run_reverify
 
     root = _root(args)
     request = ReverifyRequest(
@@ -291,8 +293,7 @@ def cmd_reverify(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from flows.config import ConfigError, load_campaign_config
-    from flows.errors import UserError
+    from flows.replay import rl_replay
 
     config = None
     if args.config:
@@ -301,9 +302,6 @@ def cmd_replay(args: argparse.Namespace) -> int:
         except ConfigError as exc:
             raise UserError(str(exc)) from None
     root = _root(args)
-    from pydantic import ValidationError
-
-    from flows.replay import ReplayRequest, rl_replay
 
     try:
         request = ReplayRequest(
@@ -330,8 +328,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 def cmd_lineage(args: argparse.Namespace) -> int:
     from storage.lineage import format_lineage, to_json, walk
-    from storage.settings import settings
-    from storage.tracking import Tracker, parse_model_version
+    from storage.tracking import Tracker
 
     parse_model_version(args.model_version)  # a malformed reference fails before MLflow is touched
     root = _root(args)
@@ -345,9 +342,6 @@ def cmd_lineage(args: argparse.Namespace) -> int:
 
 def cmd_tracking_server(args: argparse.Namespace) -> int:
     """Open (create, migrate) the root's MLflow store under its lock, then become ``mlflow server`` on it."""
-    from flows.errors import UserError
-    from storage.paths import StorageRoot
-    from storage.settings import settings
     from storage.tracking import Tracker, server_command
 
     if args.workers < 1 or not 0 < args.port < 65536:
@@ -368,9 +362,6 @@ def cmd_tracking_server(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from flows.errors import UserError
-    from storage.gc import collect
-
     if args.grace < 0:
         raise UserError("--grace must be zero or more seconds")
     root = _root(args)

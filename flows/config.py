@@ -10,18 +10,23 @@ import hashlib
 import json
 import os
 import re
+import textwrap
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+import yaml
+from pydantic import BaseModel, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
-from tasks.config_base import Config, field_help
-from tasks.evaluate import EvaluateConfig
-from tasks.filter import FilterConfig
-from tasks.prompts import PromptsConfig
-from tasks.publish import PublishConfig
-from tasks.rollout import RolloutConfig
-from tasks.train import TrainConfig
-from tasks.verifiers.config import VerifyConfig
+from flows.presets import PresetError, load_preset, overlay
+from models.builtin import BUILTIN_SOURCES, BUILTINS
+from storage.model_versions import LineageError, parse_model_version
+from tasks.config.base import Config, field_help
+from tasks.config.evaluate import EvaluateConfig
+from tasks.config.filter import FilterConfig
+from tasks.config.prompts import PromptsConfig
+from tasks.config.publish import PublishConfig
+from tasks.config.rollout import RolloutConfig
+from tasks.config.train import TrainConfig
+from tasks.config.verify import KNOWN_VERIFIERS, VerifyConfig
 
 BUILTIN_BASE = "builtin"
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -41,8 +46,6 @@ class PolicyConfig(Config):
     @field_validator("base_model")
     @classmethod
     def _exists(cls, v: str) -> str:
-        from models.builtin import BUILTINS
-
         if v not in BUILTINS and "://" not in v and not os.path.isdir(v):
             raise ValueError(
                 f"base model directory {v!r} does not exist; set policy.base_model to "
@@ -73,14 +76,13 @@ class RoundConfig(Config):
     seed: int = 0
     """Seeds prompt order and sampling; a round's seed is derived from it and the round index."""
     mode: Literal["sync", "overlap"] = "sync"
-    """'sync': a round's rollout starts once the previous round has trained, published and evaluated.
-    'overlap': round k+1's rollout runs while round k trains; round k's weights go into the running
-    engine between two decode steps (rollout.update_kv says what happens to sequences in flight), so
-    rows mix two policy versions, each token labelled with its own; evaluation gets an engine of its own."""
+    """'sync': a round's rollout starts once the previous round has trained, published and evaluated. 'overlap':
+    round k+1's rollout runs while round k trains and takes round k's weights between two decode steps
+    (rollout.update_kv); each token records its policy version."""
     overlap_update_after: float = Field(0.5, gt=0.0, le=4.0)
-    """mode overlap: the next round's rollout takes the new weights once it has finished this many times
-    target_groups x samples_per_prompt samples, waiting there for training if it is late. A count, not a
-    time, so rows and resumes stay reproducible; lower means fresher rows but more waiting."""
+    """mode overlap: the next round's rollout takes the new weights after this many times target_groups x
+    samples_per_prompt finished samples, waiting for training if it is late. A count, not a time, so rows stay
+    reproducible."""
 
     @property
     def target_groups(self) -> int:
@@ -109,11 +111,10 @@ class RoundConfig(Config):
 
     @model_validator(mode="after")
     def _verifier_known(self) -> RoundConfig:
-        from tasks.verifiers.registry import VERIFIERS
-
-        if self.verifier not in VERIFIERS:
+        if self.verifier not in KNOWN_VERIFIERS:
             raise ValueError(
-                f"no verifier named {self.verifier!r}; set verify.verifier to one of: {', '.join(sorted(VERIFIERS))}"
+                f"no verifier named {self.verifier!r}; "
+                f"set verify.verifier to one of: {', '.join(sorted(KNOWN_VERIFIERS))}"
             )
         return self
 
@@ -137,8 +138,6 @@ class RoundConfig(Config):
 
     @model_validator(mode="after")
     def _builtin_base_fits_prompts(self) -> RoundConfig:
-        from models.builtin import BUILTIN_SOURCES, BUILTINS
-
         base, task = BUILTINS.get(self.policy.base_model), BUILTIN_SOURCES.get(self.prompts.source)
         if base and task and base is not task:  # a built-in tokenizer knows only its own task's characters
             raise ValueError(
@@ -178,6 +177,33 @@ class CampaignConfig(Config):
         return v
 
 
+class ReplayRequest(Config):
+    """What to replay, from where, with which config."""
+
+    trajectories: str
+    """Trajectory version id (or a unique prefix of at least 6 characters): a round's own or a derived one."""
+    from_model: str
+    """Registered model version to start from, 'NAME/VERSION'; its source is the checkpoint trained on."""
+    config: RoundConfig | None = None
+    """Round config whose train, prompts and evaluate sections the replay uses. Default: the training
+    config recorded with the trajectories' round, and the default evaluation."""
+    model_name: str | None = None
+    """Registered model name for the result. Default: the parent's name."""
+    evaluate: bool = True
+    """Evaluate the replayed checkpoint (eval.* tags on its model version; the champion alias never moves)."""
+
+    @field_validator("from_model")
+    @classmethod
+    def _name_slash_version(cls, v: str) -> str:
+        try:
+            parse_model_version(v)
+        except LineageError:
+            raise ValueError(
+                f"from_model {v!r} must be a registered model version NAME/VERSION, e.g. rlrounds-addition/3"
+            ) from None
+        return v
+
+
 def load_campaign_config(path: str | None, preset: str | None = None, **overrides) -> CampaignConfig:
     """Read a preset and a YAML/JSON config file (either, both or none; the file is laid over the preset,
     flows/presets.py) and apply CLI overrides; errors name the field and the fix."""
@@ -191,8 +217,6 @@ def load_campaign_config(path: str | None, preset: str | None = None, **override
             if path.endswith(".json"):
                 data = json.loads(text)
             else:
-                import yaml
-
                 data = yaml.safe_load(text) or {}
         except Exception as exc:  # noqa: BLE001 -- any parse error is the file's
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -204,8 +228,6 @@ def load_campaign_config(path: str | None, preset: str | None = None, **override
                 f"config file {path} must hold a mapping of fields (rounds, round: {{...}}), not {type(data).__name__}"
             )
     if preset:
-        from flows.presets import PresetError, load_preset, overlay
-
         try:
             data = overlay(load_preset(preset), data)
         except PresetError as exc:
@@ -241,10 +263,6 @@ def commented_yaml(config: BaseModel, indent: int = 0) -> str:
     """``config`` as YAML with each field's docstring as a comment above it (``rlrounds config``).
 
     Loading the text gives back the same values; the comments are the help a config file's reader needs."""
-    import textwrap
-
-    import yaml
-
     pad = " " * indent
     lines: list[str] = []
     for name, field in type(config).model_fields.items():
@@ -263,6 +281,4 @@ def commented_yaml(config: BaseModel, indent: int = 0) -> str:
 
 def _plain(value: Any) -> Any:
     """A field value as YAML can write it (enums and other JSON-mode values by their JSON form)."""
-    from pydantic import TypeAdapter
-
     return TypeAdapter(type(value)).dump_python(value, mode="json") if value is not None else None

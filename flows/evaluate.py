@@ -17,9 +17,9 @@ from prefect import flow
 from flows.config import RoundConfig
 from flows.tasks import evaluate_version_task
 from storage.settings import settings
-from tasks.config_base import Dtype
+from tasks.config.base import Dtype
+from tasks.config.evaluate import EvaluateConfig
 from tasks.engines import released_engines
-from tasks.evaluate import EvaluateConfig
 from tasks.results import VersionEvaluation
 
 TRAIN_DTYPE = "float32"  # the trainer always works in float32 (tasks/train.run_train)

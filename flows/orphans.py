@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 
 from storage.campaigns import process_started
@@ -83,8 +84,6 @@ def take_over(who: str) -> None:
     """Start of an ``rlrounds`` process (the CLI, a benchmark that runs campaigns): stop what killed ones
     left behind, saying so on stderr, then mark this one so that the next start stops what it leaves.
     A stray Prefect server would also take CPU from a benchmark's figures."""
-    import sys
-
     if reaped := reap_orphans():
         pids = ", ".join(map(str, reaped))
         print(f"{who}: stopped {len(reaped)} process(es) left by a killed rlrounds (pids {pids})", file=sys.stderr)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from importlib import resources
 
+import yaml
+
 SUFFIX = ".yaml"
 
 
@@ -23,8 +25,6 @@ def preset_names() -> list[str]:
 
 def load_preset(name: str) -> dict:
     """The preset's fields as a mapping; an unknown name fails in one line listing the known ones."""
-    import yaml
-
     known = preset_names()
     if name not in known:
         raise PresetError(f"no preset named {name!r}; use one of: {', '.join(known)}")

@@ -17,6 +17,10 @@ import re
 import threading
 import time
 
+from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.exceptions import MissingContextError
+from prefect.logging import get_run_logger
+
 from tasks.report import report_progress
 
 log = logging.getLogger("rlrounds")
@@ -25,9 +29,6 @@ _FRACTION = re.compile(r"(\d+)/(\d+)")
 
 def stage_logger() -> logging.Logger | logging.LoggerAdapter:
     """The running flow's logger (its lines appear in the flow run's log in the UI), else rlrounds'."""
-    from prefect.exceptions import MissingContextError
-    from prefect.logging import get_run_logger
-
     try:
         return get_run_logger()
     except MissingContextError:
@@ -75,7 +76,6 @@ class StageProgress:
     def _set(self, percent: float) -> None:
         if self._failed:
             return
-        from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
         try:
             if self._artifact_id is None:
@@ -112,8 +112,6 @@ def _figure(value, spec: str) -> str:
 
 def publish_rounds_table(run_id: str, history: list[dict]) -> None:
     """The campaign's rounds so far as a table artifact (a new version of one key per round)."""
-    from prefect.artifacts import create_table_artifact
-
     try:
         create_table_artifact(
             table=rounds_table(history),

@@ -14,44 +14,14 @@ from __future__ import annotations
 
 from prefect import flow
 from prefect.runtime import flow_run
-from pydantic import field_validator
 
 from flows.campaign import code_version
-from flows.config import RoundConfig
+from flows.config import ReplayRequest, RoundConfig
 from flows.tasks import plan_replay_task, publish_replay_task, refilter_task, reverify_task, train_task
 from storage.settings import settings
-from storage.tracking import LineageError, parse_model_version
-from tasks.config_base import Config
+from tasks.config.refilter import RefilterRequest, ReverifyRequest
 from tasks.engines import released_engines
-from tasks.refilter import RefilterRequest, ReverifyRequest
 from tasks.results import Reverified, TrajectoryVersion
-
-
-class ReplayRequest(Config):
-    """What to replay, from where, with which config."""
-
-    trajectories: str
-    """Trajectory version id (or a unique prefix of at least 6 characters): a round's own or a derived one."""
-    from_model: str
-    """Registered model version to start from, 'NAME/VERSION'; its source is the checkpoint trained on."""
-    config: RoundConfig | None = None
-    """Round config whose train, prompts and evaluate sections the replay uses. Default: the training
-    config recorded with the trajectories' round, and the default evaluation."""
-    model_name: str | None = None
-    """Registered model name for the result. Default: the parent's name."""
-    evaluate: bool = True
-    """Evaluate the replayed checkpoint (eval.* tags on its model version; the champion alias never moves)."""
-
-    @field_validator("from_model")
-    @classmethod
-    def _name_slash_version(cls, v: str) -> str:
-        try:
-            parse_model_version(v)
-        except LineageError:
-            raise ValueError(
-                f"from_model {v!r} must be a registered model version NAME/VERSION, e.g. rlrounds-addition/3"
-            ) from None
-        return v
 
 
 @flow(name="rl-replay", validate_parameters=True)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from prefect import flow
 from prefect.runtime import flow_run
+from prefect.settings import temporary_settings
 
 from flows.approval import approve_and_promote
 from flows.config import RoundConfig
@@ -33,6 +34,7 @@ from flows.tasks import (
     rollout_task,
     train_task,
 )
+from storage.checkpoints import read_lineage
 from storage.paths import StorageRoot
 from tasks.context import RoundContext
 from tasks.overlap import NextPolicy, Overlapped, RolloutCancelled
@@ -188,8 +190,6 @@ def without_heartbeat() -> Iterator[None]:
     sleeps in whole seconds, so the join waits for up to one second after the run is done
     (``benchmarks/subflow_overhead.py``). A round is a subflow of the campaign, whose flow run keeps its
     heartbeat, so a server still learns that the process died."""
-    from prefect.settings import temporary_settings
-
     with temporary_settings(updates={"flows.heartbeat_frequency": None}):
         yield
 
@@ -232,8 +232,6 @@ def overlapped_rollout(stage: Stages, config: RoundConfig, ctx: RoundContext, pr
     ``config.update_after_samples`` finished samples. ``start`` None: the parent is committed already,
     and its parent is read from its lineage (a resumed campaign runs the rollout with the same start and
     switch point, and so to the same rows)."""
-    from storage.checkpoints import read_lineage
-
     next_policy = NextPolicy(ctx.storage, ctx.parent_checkpoint, ctx.parent_policy_version,
                              config.update_after_samples)
     if start is None:

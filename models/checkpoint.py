@@ -7,11 +7,14 @@ Directories here are local; storage/ copies them to and from remote roots.
 
 from __future__ import annotations
 
+import json
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    import torch
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as hf_logging
 
 WEIGHTS_FILE = "model.safetensors"
 REQUIRED_FILES = ("config.json", "tokenizer_config.json")
@@ -31,8 +34,6 @@ class PolicyLoadError(ValueError):
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    import torch
-
     try:
         return getattr(torch, _DTYPES[name])
     except KeyError:
@@ -46,7 +47,6 @@ def set_threads(count: int) -> int:
     already in use, leaves the process's OpenMP threads waking each other by system call at every
     parallel op from then on, which slows every later round's training (``benchmarks/train_step.py``
     measures it; docs/performance.md)."""
-    import torch
 
     previous, count = torch.get_num_threads(), max(1, count)
     if count != previous:
@@ -55,7 +55,7 @@ def set_threads(count: int) -> int:
 
 
 def check_policy_dir(path: str) -> None:
-    """Fail with one line naming what is missing, before any heavy import."""
+    """Fail with one line naming what is missing, before any weights are read."""
     if not os.path.isdir(path):
         raise PolicyLoadError(
             f"policy directory {path} does not exist; set policy.base_model to a Hugging Face causal-LM directory or "
@@ -78,8 +78,6 @@ def context_length(path: str) -> int | None:
 
     Read as JSON, without transformers, so input checks stay cheap; text models nested in a
     multimodal config keep theirs under ``text_config``."""
-    import json
-
     try:
         with open(os.path.join(path, "config.json")) as f:
             config = json.load(f)
@@ -96,9 +94,6 @@ def context_length(path: str) -> int | None:
 
 def load_policy(path: str, dtype: str = "float32") -> tuple[Any, Any]:
     """(model, tokenizer) from a Hugging Face causal-LM directory, in eval mode on CPU."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
     hf_logging.disable_progress_bar()  # per-load bars drown the round's own progress
     check_policy_dir(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -109,14 +104,10 @@ def load_policy(path: str, dtype: str = "float32") -> tuple[Any, Any]:
 
 
 def load_state_dict(path: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
     return load_file(os.path.join(path, WEIGHTS_FILE))
 
 
 def save_policy(model: Any, tokenizer: Any, path: str) -> None:
-    from transformers.utils import logging as hf_logging
-
     hf_logging.disable_progress_bar()
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)

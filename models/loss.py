@@ -22,10 +22,8 @@ Aggregation of the per-token loss over a minibatch of B samples:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    import torch
+import torch
 
 
 @dataclass
@@ -79,8 +77,6 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, how: str, max_tokens:
 
 
 def policy_loss(x: LossInputs, s: LossSettings) -> LossOutput:
-    import torch
-
     mask = x.mask.float()
     proximal = x.behaviour_logprobs if x.proximal_logprobs is None else x.proximal_logprobs
     adv = x.advantages.unsqueeze(-1)  # [B, 1]
@@ -124,8 +120,6 @@ def logprob_mismatch(trainer: torch.Tensor, engine: torch.Tensor, mask: torch.Te
     trainer, engine, mask: [B, T]. Returns mean and max |delta|, a k3 estimate of KL(mu || pi), and the
     number of tokens they cover (to pool minibatches with ``pooled_mismatch``).
     """
-    import torch
-
     with torch.no_grad():
         m = mask.float()
         delta = (trainer - engine) * m

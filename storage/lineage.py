@@ -11,8 +11,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from storage.model_versions import LineageError, parse_model_version
 from storage.paths import StorageRoot
-from storage.tracking import LINE_TAG, LineageError, checkpoint_uri, parse_model_version
+from storage.tracking import LINE_TAG, checkpoint_uri
+from storage.trajectories import TrajectoryStoreError, find_version
 
 NO_PARENT = "none"
 
@@ -46,8 +48,6 @@ class LineageStep:
 
 def derivation_of(root: StorageRoot, trajectory_version: str, limit: int = 100) -> list[dict]:
     """What each manifest in the version's chain says about how it was made, nearest first."""
-    from storage.trajectories import TrajectoryStoreError, find_version
-
     out: list[dict] = []
     version: str | None = trajectory_version
     while version and version != NO_PARENT and len(out) < limit:

@@ -17,11 +17,14 @@ The storage root is any fsspec URI: a local directory (default ``./rlrounds-data
 
 from __future__ import annotations
 
+import hashlib
 import os
 import posixpath
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
+
+from storage.settings import filesystem_for
 
 MANIFEST = "manifest.json"
 LINEAGE = "lineage.json"
@@ -48,8 +51,6 @@ class StorageRoot:
 
     @cached_property
     def fs(self) -> Any:
-        from storage.settings import filesystem_for
-
         return filesystem_for(self.uri)
 
     def join(self, *parts: object) -> str:
@@ -158,7 +159,5 @@ def local_cache_dir() -> str:
 def local_mlflow_db(root_uri: str) -> str:
     """The SQLite MLflow store of a remote root (SQLite cannot live on S3): one per root, in the cache,
     so two remote roots never share a registry."""
-    import hashlib
-
     key = hashlib.sha256(root_uri.encode()).hexdigest()[:12]
     return os.path.join(local_cache_dir(), "mlflow", key, "mlflow.db")

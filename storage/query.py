@@ -17,6 +17,12 @@ import json
 from datetime import date, datetime
 from typing import Any
 
+import duckdb
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from storage.settings import filesystem_for
+
 TABLE = "trajectories"
 _ROW = "__row"
 EXPORT_FORMATS = ("jsonl", "parquet")
@@ -27,8 +33,6 @@ class QueryError(ValueError):
 
 
 def _connect():
-    import duckdb
-
     # No file system or network from SQL: `read_csv('/etc/passwd')` inside a predicate is refused.
     return duckdb.connect(config={"enable_external_access": False, "lock_configuration": True})
 
@@ -44,9 +48,6 @@ def select_rows(table, predicate: str):
     The predicate sees every trajectory column (and may use subqueries over the table ``trajectories``,
     e.g. ``group_id IN (SELECT group_id FROM trajectories GROUP BY 1 HAVING avg(reward) > 0)``).
     """
-    import duckdb
-    import pyarrow as pa
-
     if not predicate or not predicate.strip():
         raise QueryError("--where needs a predicate, e.g. \"outcome = 'success' OR len(completion_token_ids) <= 4\"")
     indexed = table.append_column(_ROW, pa.array(range(table.num_rows), pa.int64()))
@@ -153,10 +154,6 @@ def _json_default(value: Any) -> Any:
 
 def export_table(table, fmt: str, path: str) -> int:
     """Write ``table`` to ``path`` (a local path or any fsspec URI) as one JSONL or Parquet file."""
-    import pyarrow.parquet as pq
-
-    from storage.settings import filesystem_for
-
     if fmt not in EXPORT_FORMATS:
         raise QueryError(f"unknown export format {fmt!r}; use one of {', '.join(EXPORT_FORMATS)}")
     fs = filesystem_for(path)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any
 
+import fsspec
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -34,8 +35,6 @@ def settings() -> Settings:
 
 @lru_cache(maxsize=8)
 def _fs(protocol: str, endpoint: str | None, retries: int) -> Any:
-    import fsspec
-
     if protocol == "s3":
         client_kwargs = {"endpoint_url": endpoint} if endpoint else {}
         # Two layers retry transient errors: botocore ("standard" mode: throttling, 5xx, connection

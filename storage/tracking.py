@@ -7,14 +7,23 @@ again by tags (``rlrounds.run_id``, ``rlrounds.round``), so a resumed campaign r
 
 from __future__ import annotations
 
+import fcntl
+import logging
 import os
+import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from storage.paths import StorageRoot
+from mlflow import MlflowClient
+from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param
+
+from storage.model_versions import LineageError
+from storage.paths import StorageRoot, local_mlflow_db
 from storage.settings import Settings
 
 RUN_ID_TAG = "rlrounds.run_id"
@@ -35,25 +44,13 @@ CHECKPOINT_TAG = "checkpoint"
 inside the run's artifact directory, so through one a local checkpoint is registered with the run's
 artifact URI as its source and found by this tag (``checkpoint_uri``)."""
 LINE_TAG = "line"
-"""A model version's promotion line (tasks/publish.py, promotion_line): the champion gate compares only
+"""A model version's promotion line (tasks/config/publish.py, promotion_line): the champion gate compares only
 versions of one line. Versions registered before lines existed have none."""
-
-
-class LineageError(RuntimeError):
-    pass
 
 
 def checkpoint_uri(model_version: Any) -> str:
     """The checkpoint a registered model version was trained into (its tag, else its source)."""
     return str((model_version.tags or {}).get(CHECKPOINT_TAG) or model_version.source or "")
-
-
-def parse_model_version(ref: str) -> tuple[str, str]:
-    """'NAME/VERSION' -> (name, version); the one parser of a registered model version reference."""
-    name, sep, version = ref.rpartition("/")
-    if not sep or not name or not version.isdigit():
-        raise LineageError(f"model version {ref!r} must look like NAME/VERSION, e.g. rlrounds-addition/3")
-    return name, version
 
 
 def tracking_uris(settings: Settings, root: StorageRoot) -> tuple[str, str]:
@@ -65,7 +62,6 @@ def tracking_uris(settings: Settings, root: StorageRoot) -> tuple[str, str]:
     else:
         # A SQLite file cannot live on S3: keep one per root in the local cache unless a server is given
         # (set RLROUNDS_MLFLOW_URI to share a registry between machines).
-        from storage.paths import local_mlflow_db
 
         tracking = f"sqlite:///{local_mlflow_db(root.uri)}"
     artifacts = settings.mlflow_artifacts or root.mlflow_artifacts()
@@ -76,8 +72,6 @@ def server_command(settings: Settings, root: StorageRoot, host: str, port: int, 
     """``mlflow server`` over the root's own store: the SQLite file rounds use without a server (with the
     same lock wait) and the root's artifact directory, so a server started later sees what rounds wrote
     before, and rounds that stop using it later see what they wrote through it."""
-    import sys
-
     tracking, artifacts = tracking_uris(settings.model_copy(update={"mlflow_uri": None}), root)
     return [
         sys.executable,
@@ -100,9 +94,6 @@ def server_command(settings: Settings, root: StorageRoot, host: str, port: int, 
 def probe_server(tracking: str, timeout_s: float = 5.0) -> None:
     """Fail in seconds when nothing answers at a tracking server: MLflow's own client retries with
     back-off for minutes before it gives up on a refused connection."""
-    import urllib.error
-    import urllib.request
-
     try:
         urllib.request.urlopen(tracking.rstrip("/") + "/health", timeout=timeout_s).close()
     except urllib.error.HTTPError:
@@ -121,8 +112,6 @@ SQLITE_BUSY_TIMEOUT_S = 120
 @contextmanager
 def _exclusive(lock_path: str) -> Iterator[None]:
     """Hold an exclusive advisory lock on ``lock_path`` (created if needed) for the block."""
-    import fcntl
-
     with open(lock_path, "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
@@ -141,8 +130,6 @@ class Tracker:
     @classmethod
     def connect(cls, settings: Settings, root: StorageRoot, must_exist: bool = False) -> Tracker:
         """``must_exist``: for read-only commands, refuse to create an empty SQLite store."""
-        import logging
-
         logging.getLogger("alembic").setLevel(logging.WARNING)
         tracking, artifacts = tracking_uris(settings, root)
         if settings.s3_endpoint:  # MLflow's S3 artifact store reads its endpoint from this variable only
@@ -157,7 +144,6 @@ class Tracker:
             os.makedirs(os.path.dirname(db) or ".", exist_ok=True)
         if tracking.startswith(("http://", "https://")):
             probe_server(tracking)
-        from mlflow import MlflowClient
 
         if not tracking.startswith("sqlite:///"):
             try:
@@ -220,8 +206,6 @@ class Tracker:
     def log(
         self, run_id: str, metrics: dict[str, float] | None = None, params: dict[str, Any] | None = None, step: int = 0
     ) -> None:
-        from mlflow.entities import Metric, Param
-
         now = int(time.time() * 1000)
         ms = [Metric(k, float(v), now, step) for k, v in (metrics or {}).items() if v is not None]
         ps = [Param(k, str(v)[:6000]) for k, v in (params or {}).items()]
@@ -229,8 +213,6 @@ class Tracker:
             self.client.log_batch(run_id, metrics=ms[i : i + 500], params=ps[i : i + 500])
 
     def log_dataset(self, run_id: str, name: str, digest: str, source: str, context: str = "training") -> None:
-        from mlflow.entities import Dataset, DatasetInput, InputTag
-
         dataset = Dataset(name=name, digest=digest, source_type="trajectory_store", source=source)
         self.client.log_inputs(
             run_id, datasets=[DatasetInput(dataset, tags=[InputTag("mlflow.data.context", context)])]

@@ -31,6 +31,9 @@ from dataclasses import dataclass, field, fields
 from datetime import datetime
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from storage.files import write_atomic
 from storage.paths import CARRYOVER, MANIFEST, StorageRoot, child, manifest_of, part_name
 
@@ -102,7 +105,6 @@ COLUMNS = tuple(f.name for f in fields(TrajectoryRow))
 def arrow_schema():
     """The Arrow form of ``TrajectoryRow``: one column per field, in field order. Every file of a
     version (its parts and its carry-over) is written with it."""
-    import pyarrow as pa
 
     ts = pa.timestamp("us", tz="UTC")
     types = {
@@ -158,7 +160,6 @@ def check_schema_version(found: str, where: str) -> None:
 def rows_to_table(rows: Sequence[TrajectoryRow | Mapping[str, Any]]):
     """Rows as one Arrow table of the current schema, stamped with its version. Mappings (rows read back
     and changed, by refilter or reverify) may leave columns out: they are null."""
-    import pyarrow as pa
 
     schema = arrow_schema()
     columns = []
@@ -170,7 +171,6 @@ def rows_to_table(rows: Sequence[TrajectoryRow | Mapping[str, Any]]):
         columns.append(pa.array(values, type=column.type))
     return pa.Table.from_arrays(columns, schema=schema)
 
-
 def rows_of(table) -> list[TrajectoryRow]:
     """The rows of a whole table (any schema version of this major: absent columns are null)."""
     table = conform(table)
@@ -181,7 +181,6 @@ def rows_of(table) -> list[TrajectoryRow]:
 def conform(table, columns: Iterable[str] | None = None):
     """``table`` with exactly ``columns`` (default: every column of the current schema), in that order;
     a column its writer did not have (an older minor version) is added as nulls."""
-    import pyarrow as pa
 
     schema = arrow_schema()
     wanted = list(columns) if columns is not None else list(COLUMNS)
@@ -192,8 +191,6 @@ def conform(table, columns: Iterable[str] | None = None):
 
 
 def table_bytes(table) -> bytes:
-    import pyarrow.parquet as pq
-
     buf = io.BytesIO()
     pq.write_table(table, buf, compression="zstd")
     return buf.getvalue()
@@ -312,7 +309,6 @@ def read_table(root: StorageRoot, manifest: Manifest, columns: Iterable[str] | N
 
     Columns come in the current schema's order (or ``columns``'), so parts an older minor version wrote
     read like new ones."""
-    import pyarrow as pa
 
     wanted = list(columns) if columns else list(COLUMNS)
     tables = []
@@ -326,8 +322,6 @@ def read_table(root: StorageRoot, manifest: Manifest, columns: Iterable[str] | N
 
 def parquet_table(blob: bytes, columns: Iterable[str] | None = None):
     """A Parquet file's rows in the current schema (``conform``); only ``columns`` are decoded."""
-    import pyarrow.parquet as pq
-
     wanted = list(columns) if columns else list(COLUMNS)
     present = set(pq.read_schema(io.BytesIO(blob)).names)
     return conform(pq.read_table(io.BytesIO(blob), columns=[c for c in wanted if c in present]), wanted)
@@ -443,8 +437,6 @@ def read_staged(root: StorageRoot, uri: str):
 
 def read_staged_carryover(root: StorageRoot, uri: str) -> bytes | None:
     """A staged carry-over's bytes, to attach to the version as they are; None when it holds no samples."""
-    import pyarrow.parquet as pq
-
     with root.fs.open(uri, "rb") as f:
         blob = f.read()
     return blob if pq.read_metadata(io.BytesIO(blob)).num_rows else None

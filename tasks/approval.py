@@ -9,8 +9,13 @@ before the timeout is a rejection.
 
 from __future__ import annotations
 
+from storage.model_versions import parse_model_version
+from storage.paths import StorageRoot
+from storage.settings import settings
+from storage.tracking import Tracker
+from tasks.config.evaluate import EvaluateConfig
 from tasks.context import RoundContext
-from tasks.evaluate import EvaluateConfig
+from tasks.describe import describe_version
 from tasks.gate import PROMOTED_TAG
 from tasks.results import Evaluation, Promotion
 
@@ -47,11 +52,6 @@ def run_decide_promotion(
 ) -> Promotion:
     """Apply a person's decision ('approved', 'rejected' or 'timed_out') to the champion alias and
     record it on the model version (``eval.approval``, ``eval.promoted``)."""
-    from storage.paths import StorageRoot
-    from storage.settings import settings
-    from storage.tracking import Tracker, parse_model_version
-    from tasks.describe import describe_version
-
     if decision not in ("approved", "rejected", "timed_out"):
         raise ValueError(f"decision {decision!r} must be approved, rejected or timed_out")
     root = StorageRoot.of(ctx.storage)

@@ -8,24 +8,28 @@ import os
 import tempfile
 from collections.abc import Callable
 
+from models.builtin import BUILTINS
+from models.builtin.base_policy import build_base_policy
+from models.checkpoint import check_policy_dir
+from storage import checkpoints
+from storage.paths import StorageRoot
+from storage.settings import settings
+from storage.tracking import Tracker
+from tasks.config.evaluate import EvaluateConfig
+from tasks.config.prompts import PromptsConfig
+from tasks.config.publish import PublishConfig
+from tasks.config.verify import VerifyConfig
 from tasks.context import RoundContext
-from tasks.evaluate import EvaluateConfig, run_evaluate
-from tasks.prompts import PromptsConfig
-from tasks.publish import PublishConfig, lineage_tags
+from tasks.evaluate import run_evaluate
+from tasks.publish import lineage_tags
+from tasks.report import report_progress
 from tasks.results import BasePolicy, Published
-from tasks.verifiers.config import VerifyConfig
 
 BUILTIN = "builtin"  # the addition base; every built-in base is listed in models.builtin.BUILTINS
 
 
 def run_prepare_base(*, storage: str, base_model: str, progress: Callable[[str], None] | None = None) -> BasePolicy:
     """The base checkpoint URI and its identity (recorded as every checkpoint's base_model tag)."""
-    from models.builtin import BUILTINS
-    from models.builtin.base_policy import build_base_policy
-    from models.checkpoint import check_policy_dir
-    from storage import checkpoints
-    from storage.paths import StorageRoot
-
     root = StorageRoot.of(storage)
     if base_model not in BUILTINS:
         check_policy_dir(base_model)
@@ -40,7 +44,7 @@ def run_prepare_base(*, storage: str, base_model: str, progress: Callable[[str],
     if not checkpoints.is_committed(root, target):
         with tempfile.TemporaryDirectory(prefix="rlrounds-base-") as tmp:
             if progress is None:
-                from tasks.report import report_progress as progress
+                progress = report_progress
             meta = build_base_policy(tmp, progress=progress, task=builtin)
             checkpoints.commit_checkpoint(root, tmp, target, {"kind": "base", **meta})
         built = True
@@ -53,10 +57,6 @@ def run_register_base(
     *, ctx: RoundContext, publish: PublishConfig, evaluate: EvaluateConfig, prompts: PromptsConfig, verify: VerifyConfig
 ) -> Published:
     """Register the base as round 0 of the campaign (parent 'none') and evaluate it once."""
-    from storage.paths import StorageRoot
-    from storage.settings import settings
-    from storage.tracking import Tracker
-
     tracker = Tracker.connect(settings(), StorageRoot.of(ctx.storage))
     model_version = None
     if publish.register_base:

@@ -17,19 +17,15 @@ auditable, and a replay trains on the stored rows as they are.
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING
 
+from storage.paths import StorageRoot
+from storage.trajectories import committed_round_version, read_table
 from tasks.verifiers.outcome import Outcome
-
-if TYPE_CHECKING:
-    from storage.paths import StorageRoot
 
 
 def solved_prompts(root: StorageRoot, run_id: str, round_index: int, history_rounds: int) -> frozenset[str]:
     """Prompt ids whose most recent group in the last ``history_rounds`` committed versions of the
     campaign (rounds before ``round_index``) had every sample succeed."""
-    from storage.trajectories import committed_round_version
-
     latest: dict[str, bool] = {}
     for past in range(max(1, round_index - history_rounds), round_index):
         version = committed_round_version(root, run_id, past)
@@ -45,8 +41,6 @@ changes, so a campaign's process reads each round's outcomes once, not once per 
 
 
 def _latest_outcomes(root: StorageRoot, version) -> dict[str, bool]:
-    from storage.trajectories import read_table
-
     key = (root.uri, version.version)
     if key not in _OUTCOMES:
         table = read_table(root, version, columns=["prompt_id", "group_id", "outcome"])

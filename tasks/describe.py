@@ -11,7 +11,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from storage.tracking import LineageError, parse_model_version
+from storage.model_versions import LineageError, parse_model_version
+from storage.trajectories import TrajectoryStoreError, find_version
 
 
 def prefect_ui_url() -> str | None:
@@ -96,8 +97,6 @@ def version_description(
 
 def describe_version(tracker, root, ref: str) -> str:
     """Write ``ref``'s description from its current tags (called once it is evaluated); returns it."""
-    from storage.trajectories import TrajectoryStoreError, find_version
-
     name, version = parse_model_version(ref)
     tags = dict(tracker.model_version(name, version).tags)
     trajectory = None

@@ -16,6 +16,8 @@ The replica set is used exactly like one engine: each is a ``RolloutEngine`` (mo
 from __future__ import annotations
 
 import contextlib
+import functools
+import json
 import os
 import threading
 from collections.abc import Iterator
@@ -26,6 +28,13 @@ from models.engines.types import RolloutEngine, UpdateKV
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+from transformers import AutoTokenizer
+
+from models.checkpoint import check_policy_dir, load_policy
+from models.engines.embedded import EmbeddedEngine
+from models.engines.replicas import ReplicaRouter
+from models.engines.vllm_engine import VLLMEngine
 
 ENGINES = ("embedded", "vllm")
 
@@ -72,19 +81,12 @@ _SHAPE_FIELDS = (
 
 def model_shape(local_dir: str) -> str:
     """What must match for new weights to load into a live engine in place (not the values)."""
-    import json
-    import os
-
     with open(os.path.join(local_dir, "config.json")) as f:
         config = json.load(f)
     return json.dumps({k: config.get(k) for k in _SHAPE_FIELDS}, sort_keys=True)
 
 
 def load_tokenizer(local_dir: str) -> PreTrainedTokenizerBase:
-    from transformers import AutoTokenizer
-
-    from models.checkpoint import check_policy_dir
-
     check_policy_dir(local_dir)
     tokenizer = AutoTokenizer.from_pretrained(local_dir)
     if tokenizer.pad_token_id is None:  # as models.checkpoint.load_policy does
@@ -97,19 +99,17 @@ def build_engine(
 ) -> RolloutEngine:
     """One engine in this process. Module-level and picklable by reference: Ray replicas call it."""
     if kind == "embedded":
-        from models.checkpoint import load_policy
-        from models.engines.embedded import EmbeddedEngine
-
         model, tokenizer = load_policy(local_dir, dtype=dtype)
         return EmbeddedEngine(
             model, tokenizer.eos_token_id, tokenizer.pad_token_id, max_batch, policy_version, update_kv
         )
     if kind == "vllm":
         try:
-            from models.engines.vllm_engine import VLLMEngine
-        except ImportError as exc:  # pragma: no cover -- only without vllm installed
+            return VLLMEngine(local_dir, dtype, policy_version, max_batch, update_kv=update_kv)
+        except ModuleNotFoundError as exc:  # pragma: no cover -- only without vllm installed
+            if exc.name != "vllm":
+                raise
             raise ImportError(f"{exc}; engine 'vllm' needs vLLM: see docs/engines.md (Installing vLLM)") from None
-        return VLLMEngine(local_dir, dtype, policy_version, max_batch, update_kv=update_kv)
     raise ValueError(f"unknown engine {kind!r}; use one of: {', '.join(ENGINES)}")
 
 
@@ -135,11 +135,7 @@ def start_replicas(
     kind: str, local_dir: str, dtype: str, policy_version: int, max_batch: int, placement: Placement
 ) -> RolloutEngine:
     """``placement.replicas`` engines as Ray actors behind one prompt-affinity router."""
-    import functools
-
-    import ray
-
-    from models.engines.replicas import ReplicaRouter
+    import ray  # Ray only where engines or verifiers run on it: importing it takes seconds
 
     connect_ray(placement)
     resources, free = ray.cluster_resources(), ray.available_resources()
@@ -155,7 +151,7 @@ def start_replicas(
 
 def connect_ray(placement: Placement) -> None:
     """Attach to ``placement.ray_address``, or start a local Ray sized for the replicas. Idempotent."""
-    import ray
+    import ray  # Ray only where engines or verifiers run on it: importing it takes seconds
 
     if ray.is_initialized():
         return

@@ -13,46 +13,29 @@ and ``rlrounds eval`` (``run_evaluate_version``) score without the gate, so neve
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import Annotated
 
-from pydantic import Field
+from transformers import PreTrainedTokenizerBase
 
 from models.engines.greedy import greedy_completions
 from models.engines.types import RolloutEngine
-from tasks.config_base import Config, Dtype
+from storage import checkpoints
+from storage.model_versions import parse_model_version
+from storage.paths import StorageRoot
+from storage.settings import settings
+from storage.tracking import Tracker, checkpoint_uri
+from tasks.config.evaluate import EvaluateConfig
+from tasks.config.prompts import PromptsConfig
+from tasks.config.verify import VerifyConfig
 from tasks.context import RoundContext
+from tasks.describe import describe_version
+from tasks.engines import close_engine, make_engine, serving_engine
 from tasks.gate import PROMOTED_TAG, champion_gate, recorded_verdict
-from tasks.prompts import PromptsConfig
+from tasks.prompts import evaluation_prompts
 from tasks.results import Evaluation, HeldOutScores, NotInput, VersionEvaluation
-from tasks.verifiers.config import VerifyConfig
 from tasks.verifiers.outcome import Outcome, Verifier
 from tasks.verifiers.pool import run_verifier
 from tasks.verifiers.registry import get_verifier
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
-
-
-class EvaluateConfig(Config):
-    """How published checkpoints are scored."""
-
-    source: str | None = None
-    """Held-out prompts (.jsonl/.parquet). Default: the built-in task's fixed 500 held-out prompts."""
-    serving_engine: Literal["embedded", "vllm"] = "embedded"
-    """Engine the policy is served with ('embedded' or 'vllm'); accuracy on it gates promotion."""
-    serving_dtype: Dtype = "bfloat16"
-    """Precision the policy is served at; accuracy at it gates promotion. bfloat16 by default, so the
-    policy is tested at the precision it would be served with, not only at training precision (float32)."""
-    max_tokens: int = Field(8, ge=1)
-    """Most new tokens per greedy answer."""
-    champion_alias: str = "champion"
-    """Registry alias moved to a checkpoint whose serving accuracy is not below the current champion's."""
-    approval: Literal["none", "required"] = "none"
-    """Who moves the champion alias once a checkpoint passes the gate. 'none': the round moves it.
-    'required': the round pauses after evaluation, shows its accuracy beside the champion's, and waits
-    for a person to approve or reject in the Prefect UI; only an approval moves the alias."""
-    approval_timeout_s: int = Field(86_400, ge=1)
-    """How long a round waits for an approval; no answer by then rejects the checkpoint."""
 
 
 def accuracy(
@@ -99,8 +82,6 @@ def evaluate_checkpoint(
     ``role``: which live engine (tasks/engines.py; overlap mode evaluates on its own).
     Without it, a fresh engine is made and released after scoring.
     """
-    from tasks.engines import close_engine, make_engine, serving_engine
-
     verifier = scoring_verifier(verify)
     if policy_version is None:
         engine, tokenizer = make_engine(config.serving_engine, local_dir, config.serving_dtype, policy_version=0)
@@ -188,13 +169,6 @@ def run_evaluate(
 
     Idempotent: a version already carrying ``eval.promoted`` returns its recorded evaluation; a crash
     before that tag re-runs the (greedy, deterministic) evaluation and reaches the same gate decision."""
-    from storage import checkpoints
-    from storage.paths import StorageRoot
-    from storage.settings import settings
-    from storage.tracking import Tracker, parse_model_version
-    from tasks.describe import describe_version
-    from tasks.prompts import evaluation_prompts
-
     root = StorageRoot.of(ctx.storage)
     tracker = Tracker.connect(settings(), root)
     recorded: dict[str, str] = {}
@@ -251,8 +225,6 @@ def champion_accuracy(
 
     A figure from another engine or dtype is not comparable (bfloat16 greedy answers differ from
     float32 ones), so a champion without one is scored now, on a fresh engine, and tagged."""
-    from storage import checkpoints
-    from storage.tracking import checkpoint_uri
 
     key = f"eval.{scores.engine}.{scores.dtype}.accuracy"
     registered = tracker.model_version(name, champion)
@@ -279,12 +251,6 @@ def run_evaluate_version(
 ) -> VersionEvaluation:
     """Score a registered model version ('NAME/VERSION') at ``config``'s serving engine and dtype and at
     training precision; tag both and the gap on the version. The champion alias is not touched."""
-    from storage import checkpoints
-    from storage.paths import StorageRoot
-    from storage.settings import settings
-    from storage.tracking import Tracker, checkpoint_uri, parse_model_version
-    from tasks.prompts import evaluation_prompts
-
     name, version = parse_model_version(model_version)
     root = StorageRoot.of(storage)
     tracker = Tracker.connect(settings(), root)

@@ -7,14 +7,26 @@ trajectory store. Every dropped row keeps its ``drop_reason``.
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Annotated
 
-from pydantic import Field
+import pyarrow as pa
 
-from tasks.config_base import Config
+from storage.paths import CARRYOVER, StorageRoot
+from storage.trajectories import (
+    TrajectoryStoreError,
+    arrow_schema,
+    clear_staging,
+    committed_round_version,
+    missing_staged,
+    read_staged,
+    read_staged_carryover,
+    read_table,
+    write_version,
+)
+from tasks.config.filter import FilterConfig
 from tasks.context import RoundContext
 from tasks.results import NotInput, Stats, TrajectoryVersion
 from tasks.verifiers.outcome import Outcome
@@ -26,30 +38,6 @@ DROP_INCOMPLETE = "incomplete_group"  # too few scored samples left in the group
 DROP_OVERFLOW = "batch_full"  # a complete group that arrived after the trainable batch was full
 DROP_STALE = "stale"  # its oldest token lags the trained policy by more than filter.max_staleness versions
 DROP_OVERLONG = "overlong"  # cut at the sampling limit, with filter.overlong = 'drop'
-
-
-class FilterConfig(Config):
-    """How rewards become advantages, and which samples are trained on."""
-
-    normalize_std: bool = True
-    """Divide group-centred rewards by the group's standard deviation (GRPO). Off: Dr. GRPO-style centring only."""
-    drop_zero_variance: bool = True
-    """Drop groups whose samples all scored the same: their advantages are all zero."""
-    min_scored_per_group: int = Field(2, ge=2)
-    """A group needs at least this many scored samples (after dropping infra failures) to be compared."""
-    epsilon: float = Field(1e-6, gt=0)
-    """Added to the standard deviation so near-constant groups do not explode."""
-    max_staleness: int | None = Field(None, ge=0)
-    """Most policy versions a sample's oldest token may lag the policy it trains (the round's parent).
-    Carried-over partial rollouts lag by one version per round they waited. Older samples are dropped
-    ('stale') and their group's advantages computed without them. None: no bound; the loss still
-    corrects older tokens with its truncated importance weights (train.tis_cap)."""
-    overlong: Literal["keep", "drop", "penalty"] = "keep"
-    """Samples cut at the sampling limit (rollout.max_tokens): 'keep' them as scored; 'drop' them from
-    training ('overlong'); or 'penalty': a soft length penalty added to the reward over the last
-    overlong_buffer tokens before the limit, falling linearly from 0 to -1 at the limit (DAPO)."""
-    overlong_buffer: int = Field(4, ge=1)
-    """Tokens before the sampling limit over which the 'penalty' rule ramps."""
 
 
 @dataclass
@@ -188,8 +176,6 @@ def length_bias(rows: list[dict]) -> dict[str, float]:
 
 
 def filter_stats(rows: list[dict]) -> dict[str, float]:
-    from collections import Counter
-
     reasons = Counter(r["drop_reason"] for r in rows if not r["kept"])
     kept_groups = {r["group_id"] for r in rows if r["kept"]}
     stats = {
@@ -233,10 +219,6 @@ DECISION_INPUTS = (
 
 def with_decisions(table, rows: list[dict]):
     """``table`` with its advantage, kept and drop_reason columns taken from ``rows`` (same order)."""
-    import pyarrow as pa
-
-    from storage.trajectories import arrow_schema
-
     schema = arrow_schema()
     for name in ("advantage", "kept", "drop_reason"):
         column = pa.array([r[name] for r in rows], type=schema.field(name).type)
@@ -260,18 +242,6 @@ def run_filter(
     its ``carryover.parquet`` attachment when there are any; the next round resumes them.
     ``rollout_stats`` travel in the manifest, so a resumed round still reports how its rollout went.
     Idempotent: once the round's version is committed it is returned as it is (staging is gone by then)."""
-    from storage.paths import CARRYOVER, StorageRoot
-    from storage.trajectories import (
-        TrajectoryStoreError,
-        clear_staging,
-        committed_round_version,
-        missing_staged,
-        read_staged,
-        read_staged_carryover,
-        read_table,
-        write_version,
-    )
-
     root = StorageRoot.of(ctx.storage)
     committed = committed_round_version(root, ctx.run_id, ctx.round)
     if committed is not None:

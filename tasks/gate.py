@@ -16,8 +16,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from storage.files import lease
+from storage.model_versions import LineageError, parse_model_version
 from storage.paths import StorageRoot
-from storage.tracking import LINE_TAG, LineageError, Tracker, parse_model_version
+from storage.tracking import LINE_TAG, Tracker
 from tasks.results import Evaluation, HeldOutScores
 
 PROMOTED_TAG = "eval.promoted"  # written last: a version carrying it has been evaluated and gated

@@ -23,6 +23,9 @@ import threading
 import time
 from dataclasses import dataclass
 
+from storage import checkpoints
+from storage.paths import StorageRoot
+
 
 class RolloutCancelled(RuntimeError):
     """The round that was to hand over its weights failed or the campaign stopped: the rollout ran for nothing."""
@@ -90,9 +93,6 @@ class NextPolicy:
         return finished >= self.after_samples
 
     def take(self) -> tuple[str, int]:
-        from storage import checkpoints
-        from storage.paths import StorageRoot
-
         self.due_at = time.time()
         self._ready.wait()
         self.wait_s = time.time() - self.due_at

@@ -14,7 +14,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from tasks.prompts import PromptError
+from transformers import AutoTokenizer
+
+from models.builtin import BUILTIN_SOURCES, BUILTINS
+from models.builtin.base_policy import build_model
+from models.builtin.tokenizer import build_char_tokenizer
+from models.checkpoint import check_policy_dir, context_length
+from storage import checkpoints
+from storage.paths import StorageRoot
+from storage.settings import settings
+from storage.tracking import Tracker
+from tasks.prompts import PromptError, evaluation_prompts, load_prompt_file
 from tasks.results import Checked
 
 
@@ -23,18 +33,9 @@ def base_tokenizer_and_context(storage: str, base_model: str) -> tuple[Any, int 
 
     The built-in base may not be built yet: its tokenizer is fixed, and its context is read from the
     recipe's model config (a 0.6M-parameter model, built in milliseconds, never trained here)."""
-    from models.builtin import BUILTINS
-    from models.checkpoint import check_policy_dir, context_length
-    from storage import checkpoints
-    from storage.paths import StorageRoot
-
     if base_model not in BUILTINS:
-        from transformers import AutoTokenizer
-
         check_policy_dir(base_model)
         return AutoTokenizer.from_pretrained(base_model), context_length(base_model)
-    from models.builtin.base_policy import build_model
-    from models.builtin.tokenizer import build_char_tokenizer
 
     builtin = BUILTINS[base_model]
     tokenizer = build_char_tokenizer(builtin.characters)
@@ -68,12 +69,6 @@ def run_preflight(*, config: Any, storage: str) -> Checked:
     """Check a round config's inputs against the storage root; returns what was checked (for the log).
 
     ``config`` is a ``flows.config.RoundConfig`` (composed there from the stages' configs)."""
-    from models.builtin import BUILTIN_SOURCES
-    from storage.paths import StorageRoot
-    from storage.settings import settings
-    from storage.tracking import Tracker
-    from tasks.prompts import evaluation_prompts, load_prompt_file
-
     if config.prompts.source in BUILTIN_SOURCES:  # a built-in stream is endless: check its longest prompt
         training = [BUILTIN_SOURCES[config.prompts.source].data.longest_prompt()]
     else:

@@ -12,59 +12,20 @@ import json
 import random
 from collections.abc import Iterator
 
-from pydantic import Field, field_validator, model_validator
+import pyarrow.parquet as pq
 
 from models.builtin import BUILTIN_SOURCES
 from models.prompt import Prompt
-from tasks.config_base import Config
-
-BUILTIN = "builtin:addition"
+from storage.settings import filesystem_for
+from tasks.config.prompts import PromptsConfig
 
 
 class PromptError(ValueError):
     pass
 
 
-class PromptsConfig(Config):
-    """Where training prompts come from."""
-
-    source: str = BUILTIN
-    """'builtin:addition', 'builtin:longtail' (count down: long-tailed answer lengths), or a local/remote
-    path to a .parquet or .jsonl file with columns prompt, reference."""
-    task: str = "addition"
-    """Task name recorded on every row; also selects the verifier unless verify.verifier is set."""
-    solved_weight: float = Field(0.2, gt=0.0, le=1.0)
-    """Curriculum (tasks/curriculum.py): the probability that a prompt is drawn when every sample of its
-    most recent group, within the last history_rounds rounds, succeeded. Such groups mostly teach
-    nothing (zero advantage). 1 draws every prompt. Each row records the probability it was drawn
-    with (prompt_weight)."""
-    history_rounds: int = Field(16, ge=1)
-    """Committed rounds of this campaign that the curriculum looks back over."""
-
-    @field_validator("source")
-    @classmethod
-    def _known_format(cls, v: str) -> str:
-        if v not in BUILTIN_SOURCES and not v.endswith((".parquet", ".jsonl")):
-            raise ValueError(
-                f"prompt source {v!r} must be one of {', '.join(map(repr, BUILTIN_SOURCES))} "
-                "or a .parquet / .jsonl file"
-            )
-        return v
-
-    @model_validator(mode="after")
-    def _builtin_task_matches(self) -> PromptsConfig:
-        builtin = BUILTIN_SOURCES.get(self.source)
-        if builtin and self.task != builtin.task:
-            raise ValueError(
-                f"prompts.source {self.source!r} is the {builtin.task!r} task; set prompts.task to {builtin.task!r}"
-            )
-        return self
-
-
 def load_prompt_file(uri: str, task: str) -> list[Prompt]:
     """Read every prompt of a file, failing with one line that names the file and the fix."""
-    from storage.settings import filesystem_for
-
     fs = filesystem_for(uri)
     try:
         if uri.endswith(".jsonl"):
@@ -80,8 +41,6 @@ def load_prompt_file(uri: str, task: str) -> list[Prompt]:
                                 "prompt and reference"
                             ) from None
         else:
-            import pyarrow.parquet as pq
-
             with fs.open(uri, "rb") as f:
                 records = pq.read_table(f).to_pylist()
     except FileNotFoundError:

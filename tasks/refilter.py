@@ -18,39 +18,22 @@ the same parent and predicate always give the same version, and running it again
 
 from __future__ import annotations
 
-from datetime import UTC
-from typing import TYPE_CHECKING
+from collections import Counter
+from datetime import UTC, datetime
 
-from pydantic import Field
+import pyarrow as pa
 
-from tasks.config_base import Config
-from tasks.filter import DECISION_INPUTS, FilterConfig, apply_decisions, decide, filter_stats, with_decisions
+from storage.paths import StorageRoot
+from storage.query import select_rows
+from storage.trajectories import Manifest, find_version, parent_chain, read_table, rows_to_table, write_version
+from tasks.config.filter import FilterConfig
+from tasks.config.refilter import RefilterRequest, ReverifyRequest
+from tasks.filter import DECISION_INPUTS, apply_decisions, decide, filter_stats, with_decisions
 from tasks.results import Reverified, TrajectoryVersion
-from tasks.verifiers.config import VerifyConfig
-
-if TYPE_CHECKING:
-    import pyarrow as pa
-
-    from storage.paths import StorageRoot
-    from storage.trajectories import Manifest
+from tasks.verifiers.pool import VerifierPool
+from tasks.verifiers.registry import get_verifier, verifier_version
 
 DERIVED_KIND = "derived"
-
-
-class RefilterRequest(Config):
-    """Which version to re-filter, and how."""
-
-    version: str
-    """Trajectory version id (or a unique prefix of at least 6 characters) to select rows from."""
-    where: str
-    """DuckDB SQL predicate over the trajectory columns, e.g.
-    "len(completion_token_ids) <= 4 AND outcome <> 'infra_failure'"."""
-    regroup: bool = False
-    """Recompute advantages over the rows left in each group and re-drop groups without signal."""
-    filter: FilterConfig | None = None
-    """Rules for regrouping. Default: the rules recorded by the round that produced the rows."""
-    target_groups: int | None = Field(None, ge=1)
-    """With regroup: keep only the first N trainable groups (later ones are marked batch_full). Default: all."""
 
 
 def regroup_rows(
@@ -77,9 +60,6 @@ def recorded_filter(chain) -> FilterConfig:
 
 def run_refilter(*, storage: str, request: RefilterRequest) -> TrajectoryVersion:
     """Select, optionally regroup, and commit the derived version; returns its id, URI and statistics."""
-    from storage.query import select_rows
-    from storage.trajectories import parent_chain
-
     root, parent, table = read_parent(storage, request.version)
     selected = select_rows(table, request.where)
     config = None
@@ -104,9 +84,6 @@ def run_refilter(*, storage: str, request: RefilterRequest) -> TrajectoryVersion
 def read_parent(storage: str, version: str) -> tuple[StorageRoot, Manifest, pa.Table]:
     """The storage root, the manifest of the version a derivation starts from, and its rows (without
     the version column: the derived version gets its own)."""
-    from storage.paths import StorageRoot
-    from storage.trajectories import find_version, read_table
-
     root = StorageRoot.of(storage)
     parent = find_version(root, version)
     return root, parent, read_table(root, parent).drop_columns(["trajectory_version"])
@@ -115,8 +92,6 @@ def read_parent(storage: str, version: str) -> tuple[StorageRoot, Manifest, pa.T
 def commit_derived(root: StorageRoot, parent: Manifest, rows: pa.Table, derivation: dict) -> TrajectoryVersion:
     """Commit ``rows`` as a version derived from ``parent`` by ``derivation``. Its manifest keeps the
     parent's run and round, so a derived version still says which rollout its rows came from."""
-    from storage.trajectories import write_version
-
     meta = {
         "kind": DERIVED_KIND,
         "run_id": parent.body.get("run_id"),
@@ -130,21 +105,6 @@ def commit_derived(root: StorageRoot, parent: Manifest, rows: pa.Table, derivati
 
 
 # -- re-verification ---------------------------------------------------------------------------------
-
-REVERIFY_DEFAULT_WHERE = "outcome = 'infra_failure'"
-
-
-class ReverifyRequest(Config):
-    """Which rows of a version to score again, once the environment that failed them is fixed."""
-
-    version: str
-    """Trajectory version id (or a unique prefix of at least 6 characters)."""
-    where: str = REVERIFY_DEFAULT_WHERE
-    """DuckDB SQL predicate choosing the rows to verify again; default: the infrastructure failures."""
-    verify: VerifyConfig = Field(default_factory=VerifyConfig)
-    """How the rows are scored: the verifier's workers, retries, deadlines and sandbox limits.
-    ``verify.verifier`` defaults to the one recorded on the selected rows (they must name one)."""
-
 
 def reverified_rows(
     rows: list[dict],
@@ -182,14 +142,6 @@ def reverified_rows(
 
 def run_reverify(*, storage: str, request: ReverifyRequest) -> Reverified:
     """Verify the selected rows again and commit a derived version carrying the new verdicts."""
-    from collections import Counter
-    from datetime import datetime
-
-    from storage.query import select_rows
-    from storage.trajectories import parent_chain, rows_to_table
-    from tasks.verifiers.pool import VerifierPool
-    from tasks.verifiers.registry import get_verifier, verifier_version
-
     root, parent, table = read_parent(storage, request.version)
     chosen_rows = select_rows(table, request.where).to_pylist()
     recorded = sorted({(r["verifier"] or {}).get("name") for r in chosen_rows} - {None})

@@ -21,14 +21,22 @@ from __future__ import annotations
 import hashlib
 import json
 
-from storage.tracking import LineageError
+from storage import checkpoints
+from storage.model_versions import LineageError, parse_model_version
+from storage.paths import StorageRoot
+from storage.settings import settings
+from storage.tracking import KIND_TAG, RUN_ID_TAG, Tracker, checkpoint_uri
+from storage.trajectories import find_version, parent_chain, read_table
+from tasks.config.evaluate import EvaluateConfig
+from tasks.config.prompts import PromptsConfig
+from tasks.config.train import TrainConfig
+from tasks.config.verify import VerifyConfig
 from tasks.context import RoundContext
-from tasks.evaluate import EvaluateConfig, evaluate_checkpoint, evaluation_tags
-from tasks.prompts import PromptsConfig, evaluation_prompts
+from tasks.describe import describe_version
+from tasks.evaluate import evaluate_checkpoint, evaluation_tags
+from tasks.prompts import evaluation_prompts
 from tasks.publish import lineage_tags
 from tasks.results import Published, StageResult, Stats
-from tasks.train import TrainConfig
-from tasks.verifiers.config import VerifyConfig
 
 REPLAY_KIND = "replay"
 
@@ -80,8 +88,6 @@ def only_value(values: list, what: str, version: str):
 
 def recorded_training(root, rollout_manifest) -> tuple[TrainConfig, str]:
     """The training config and config hash of the round that trained on this rollout version."""
-    from storage import checkpoints
-
     run_id, round_index = rollout_manifest.body.get("run_id"), rollout_manifest.body.get("round")
     if run_id is None or round_index is None:
         raise ReplayError(
@@ -114,11 +120,6 @@ def run_plan_replay(
     flow_run_id: str,
 ) -> ReplayPlan:
     """Resolve the parent model version and the trajectory version; open the replay's MLflow run."""
-    from storage.paths import StorageRoot
-    from storage.settings import settings
-    from storage.tracking import KIND_TAG, RUN_ID_TAG, Tracker, checkpoint_uri, parse_model_version
-    from storage.trajectories import find_version, parent_chain, read_table
-
     root = StorageRoot.of(storage)
     tracker = Tracker.connect(settings(), root)
     name, version = parse_model_version(from_model)
@@ -199,12 +200,6 @@ def run_publish_replay(
     verify: VerifyConfig,
 ) -> Published:
     """Register the replayed checkpoint with its lineage; evaluate it (tags only, no champion move)."""
-    from storage import checkpoints
-    from storage.paths import StorageRoot
-    from storage.settings import settings
-    from storage.tracking import Tracker
-    from tasks.describe import describe_version
-
     ctx = plan.context
     root = StorageRoot.of(ctx.storage)
     tracker = Tracker.connect(settings(), root)

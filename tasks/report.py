@@ -11,6 +11,9 @@ from __future__ import annotations
 import logging
 from typing import Annotated, Any
 
+from storage.paths import StorageRoot
+from storage.settings import settings
+from storage.tracking import KIND_TAG, ROUND_TAG, RUN_ID_TAG, Tracker
 from tasks.context import RoundContext
 from tasks.results import NotInput, RoundRecord, RoundRuns, Stats
 
@@ -26,10 +29,6 @@ def run_open_round(
     *, storage: str, experiment: str, run_id: str, round_index: int, params: dict[str, Any]
 ) -> RoundRuns:
     """The campaign's MLflow run and this round's child run (both reused when a round is resumed)."""
-    from storage.paths import StorageRoot
-    from storage.settings import settings
-    from storage.tracking import KIND_TAG, ROUND_TAG, RUN_ID_TAG, Tracker
-
     tracker = Tracker.connect(settings(), StorageRoot.of(storage))
     exp = tracker.experiment_id(experiment)
     campaign = tracker.ensure_run(exp, f"campaign-{run_id}", {RUN_ID_TAG: run_id, KIND_TAG: "campaign"})
@@ -201,10 +200,6 @@ def run_record_round(
     """Log the round's metrics and its health report (an MLflow artifact); close the round's run.
 
     Closing the run is the commit: a run already FINISHED is not logged to again."""
-    from storage.paths import StorageRoot
-    from storage.settings import settings
-    from storage.tracking import Tracker
-
     tracker = Tracker.connect(settings(), StorageRoot.of(ctx.storage))
     report = health_report(ctx.run_id, ctx.round, stats, model_version, trajectory_version)
     if tracker.client.get_run(ctx.mlflow_run_id).info.status == "FINISHED":  # recorded before a crash: never log twice

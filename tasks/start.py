@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import re
 
-from storage.tracking import LineageError
+from storage.model_versions import LineageError
+from storage.paths import StorageRoot
+from storage.settings import settings
+from storage.tracking import Tracker
 from tasks.results import StageResult
 
 BASE = "base"
@@ -42,10 +45,6 @@ def parse_start(ref: str) -> tuple[str, str | None, str | None]:
 
 def run_resolve_start(*, storage: str, start: str) -> StartPoint:
     """The registered version ``start`` names now (not 'base', which the flow builds instead)."""
-    from storage.paths import StorageRoot
-    from storage.settings import settings
-    from storage.tracking import Tracker
-
     name, alias, version = parse_start(start)
     tracker = Tracker.connect(settings(), StorageRoot.of(storage), must_exist=True)
     if alias:

@@ -9,95 +9,34 @@ next round (or a replay) continues exactly.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Annotated
 
-from pydantic import Field
+import pyarrow.compute as pc
+import torch
 
+from models.checkpoint import load_policy, save_policy
+from models.logprobs import completion_logprobs, pack_shared, right_padded
 from models.loss import LossInputs, LossSettings, logprob_mismatch, policy_loss, pooled_mismatch
-from tasks.config_base import Config
+from storage import checkpoints
+from storage.paths import StorageRoot
+from storage.trajectories import read_manifest, read_table
+from tasks.config.train import TrainConfig
 from tasks.context import RoundContext
+from tasks.report import report_progress
 from tasks.results import NotInput, Trained
 
 OPTIMIZER_FILE = "optimizer.pt"
 
 
-class TrainConfig(Config):
-    """How the policy is updated from one round's trajectories."""
-
-    learning_rate: float = Field(1e-4, gt=0.0, le=1.0)
-    """AdamW learning rate. 1e-4 is safe for the built-in policy; 5e-4 collapsed it in measurements."""
-    groups_per_step: int = Field(128, ge=1)
-    """Groups (prompts x samples_per_prompt) per optimizer step. By default 128 prompts x 4 samples: on the
-    built-in task that learned faster than 64 x 8, the same samples over half the prompts (README, Where a
-    round's seconds go)."""
-    steps_per_round: int = Field(16, ge=1)
-    """Optimizer steps per round. The round's trainable batch is groups_per_step x steps_per_round groups."""
-    epochs: int = Field(2, ge=1, le=16)
-    """Passes over the round's trainable groups: each pass takes ``steps_per_round`` steps over the same
-    minibatches in the same order, so a round makes epochs x steps_per_round updates from one rollout.
-    Later passes train on rows the policy has moved away from, which the PPO clip bounds. On the
-    built-in task 2 reached 90% in 0.6x the seconds of 1 (139 s against 230 s), and 3 no sooner than 2 (README, Where a
-    round's seconds go)."""
-    max_kl: float | None = Field(0.08, gt=0.0)
-    """Stop the round's updates once the policy has moved this far from the one that sampled its rows: the
-    k3 estimate of KL(sampling || current) over a minibatch's tokens, measured before its update (PPO's
-    target KL). A sharp policy moves further per step: on the built-in task a round's updates drifted
-    0.03 early in the campaign and 0.3-0.9 after round 35, and accuracy fell from 97% to 88%. Rounds
-    that stay within it run every update. None: never stop early."""
-    max_grad_norm: float = Field(1.0, gt=0.0)
-    """Global gradient-norm clip."""
-    weight_decay: float = Field(0.0, ge=0.0)
-    """AdamW weight decay."""
-    clip_low: float = Field(0.2, ge=0.0, le=1.0)
-    """PPO clip below 1 (ratio >= 1 - clip_low)."""
-    clip_high: float = Field(0.2, ge=0.0, le=10.0)
-    """PPO clip above 1 (ratio <= 1 + clip_high); raise it for DAPO-style clip-higher."""
-    tis_cap: float = Field(2.0, ge=1.0)
-    """Truncation cap of the engine/trainer importance weight."""
-    minibatch_order: Literal["shuffled", "stored"] = "shuffled"
-    """Which groups share a minibatch. 'shuffled': a seeded hash of each group id orders them (the same
-    order on every run of the same rows, so a replay makes the same updates). 'stored': the trajectory's
-    stored order, which is the order the groups finished in, so the first minibatches hold the shortest
-    groups and, with partial rollouts, the resumed long ones: that minibatch's drift then stops the
-    round's updates early (README, Rounds that do not wait for the long tail)."""
-    recompute_proximal: Literal["auto", "always", "never"] = "auto"
-    """Recompute the trainer's logprobs at the sampling weights before training ('proximal' policy),
-    enabling the truncated importance-sampling correction. 'auto': unless the rows come from the
-    embedded fp32 engine with top_p 1, where engine and trainer agree to ~1e-6 and the extra forward
-    pass is waste."""
-    aggregation: Literal["token", "sequence", "dr_grpo"] = "token"
-    """Loss aggregation: 'token' (mean over all completion tokens of a minibatch), 'sequence' (mean over
-    each sample's tokens, then over samples), or 'dr_grpo' (sum over tokens / (samples x rollout
-    max_tokens), a constant that leaves no length bias; pair it with filter.normalize_std=false)."""
-    kl_coef: float = Field(0.0, ge=0.0)
-    """Weight of a k3 KL penalty to the reference policy named by ``kl_reference`` (0: none is loaded)."""
-    kl_reference: Literal["base", "parent"] = "base"
-    """Reference policy of the KL penalty. 'base': the campaign's starting policy, a fixed anchor the
-    whole campaign is pulled towards. 'parent': the checkpoint the round starts from, a moving trust
-    region that only limits how far one round moves."""
-    seed: int = 0
-    """Seed for anything random in training. Dropout is never active (the policy trains in eval mode),
-    so on CPU an update is a function of the weights and the stored rows alone."""
-
-    @classmethod
-    def recorded(cls, recorded: dict) -> TrainConfig:
-        """A training config as a round's lineage recorded it. A field added since trains, when absent, the
-        way rounds did before it existed (``BEFORE_FIELDS``), not by today's default: a replay of an older
-        round must make the same updates."""
-        return cls.model_validate({**BEFORE_FIELDS, **recorded})
-
-    def loss_settings(self) -> LossSettings:
-        return LossSettings(self.clip_low, self.clip_high, self.tis_cap, self.aggregation, self.kl_coef)
-
-
-BEFORE_FIELDS: dict = {"epochs": 1, "max_kl": None, "minibatch_order": "stored"}
-"""How rounds trained before these ``TrainConfig`` fields existed: one pass, no drift limit, minibatches
-in stored order."""
+def loss_settings(config: TrainConfig) -> LossSettings:
+    return LossSettings(config.clip_low, config.clip_high, config.tis_cap, config.aggregation, config.kl_coef)
 
 
 @dataclass
@@ -146,8 +85,6 @@ def minibatches(
 
 
 def _group_key(seed: int, group_id: str) -> bytes:
-    import hashlib
-
     return hashlib.blake2b(f"{seed}/{group_id}".encode(), digest_size=8).digest()
 
 
@@ -164,10 +101,6 @@ def train_policy(
     progress=None,
 ):
     """Run the optimizer steps; returns (optimizer state dict, stats)."""
-    import torch
-
-    from models.logprobs import completion_logprobs, pack_shared, right_padded
-
     torch.manual_seed(config.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
     if optimizer_state is not None:
@@ -184,7 +117,7 @@ def train_policy(
             completion_logprobs(model, p, temperature, nucleus) if wanted else None
             for p, nucleus, wanted in zip(packed, top_ps, plan)
         ]
-    settings = config.loss_settings()
+    settings = loss_settings(config)
     history: dict[str, list[float]] = {
         k: [] for k in ("loss", "clip_fraction", "grad_norm", "tis_mean", "tis_truncated_fraction", "kl", "ratio_mean")
     }
@@ -288,8 +221,6 @@ def train_policy(
 def policy_drift(current, sampling, mask) -> float:
     """How far the weights being trained have moved from the sampling policy over one minibatch: the k3
     estimate of KL(sampling || current), mean over its tokens. current, sampling, mask: [B, C]."""
-    import torch
-
     with torch.no_grad():
         log_ratio = (current - sampling) * mask
         return float(((log_ratio.exp() - 1 - log_ratio) * mask).sum() / mask.sum().clamp(min=1.0))
@@ -303,8 +234,6 @@ def freshness_stats(tokens, tis_cap: float) -> dict[str, float]:
     The divergence figures compare the behaviour policy with the weights each token was trained at, so
     they hold numerics, carried-over versions and the round's own drift (minibatch k is k steps past
     the sampling weights); the k3 estimate is of KL(mu || pi) over tokens sampled from mu."""
-    import torch
-
     if tokens.shape[0] == 0:
         return {}
     lag, log_w = tokens[:, 0].double(), tokens[:, 1].double()  # [N], [N]
@@ -322,14 +251,10 @@ def freshness_stats(tokens, tis_cap: float) -> dict[str, float]:
 
 
 def save_optimizer(state: dict, directory: str) -> None:
-    import torch
-
     torch.save(state, os.path.join(directory, OPTIMIZER_FILE))
 
 
 def load_optimizer(directory: str) -> dict | None:
-    import torch
-
     path = os.path.join(directory, OPTIMIZER_FILE)
     return torch.load(path, weights_only=True) if os.path.exists(path) else None
 
@@ -396,8 +321,6 @@ def proximal_plan(
 
 
 def kept_rows(table) -> list[dict]:
-    import pyarrow.compute as pc
-
     return table.filter(pc.field("kept")).select(TRAIN_COLUMNS).to_pylist()
 
 
@@ -416,13 +339,6 @@ def run_train(
 
     ``temperature`` and ``rollout_dtype``: what the behaviour logprobs were recorded under (the loss
     recomputes logprobs at that temperature; the dtype decides whether the proximal pass is needed)."""
-    import tempfile
-
-    from models.checkpoint import load_policy, save_policy
-    from storage import checkpoints
-    from storage.paths import StorageRoot
-    from storage.trajectories import read_manifest, read_table
-
     root = StorageRoot.of(ctx.storage)
     target = target_checkpoint or root.checkpoint(ctx.run_id, ctx.round)
     if checkpoints.is_committed(root, target):  # resumed after the commit: never train twice
@@ -447,7 +363,7 @@ def run_train(
         config.recompute_proximal, rollout_dtype, [r["engine"] for r in rows], batches, ctx.parent_policy_version
     )
     if progress is None:
-        from tasks.report import report_progress as progress
+        progress = report_progress
     started_at = time.time()  # the round's straggler wait ends here (tasks/report.py)
     state, stats = train_policy(
         model,

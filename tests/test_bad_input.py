@@ -212,3 +212,16 @@ def test_run_id_and_resume_together(capsys, tmp_path):
 def test_bad_config_value_names_the_field(capsys, tmp_path):
     code, err, storage = run(capsys, tmp_path, {"round": {"verify": {"infra_retries": -1}}})
     assert_one_line(code, err, "round.verify.infra_retries")
+
+
+def test_the_errors_the_cli_reports_in_one_line_are_classes_that_exist():
+    """The CLI names them rather than importing them (flows/cli.py, KNOWN_INPUT_ERRORS): a rename must show."""
+    import importlib
+
+    from flows.cli import KNOWN_INPUT_ERRORS
+
+    for name in KNOWN_INPUT_ERRORS:
+        module, _, cls = name.rpartition(".")
+        kind = getattr(importlib.import_module(module), cls)
+        assert isinstance(kind, type) and issubclass(kind, Exception), name
+        assert f"{kind.__module__}.{kind.__qualname__}" == name

@@ -95,8 +95,8 @@ def test_a_precision_is_one_of_three_choices():
 
 
 def test_help_reaches_nested_and_optional_models():
-    from flows.replay import ReplayRequest
-    from tasks.config_base import field_help
+    from flows.config import ReplayRequest
+    from tasks.config.base import field_help
 
     sandbox_memory = field_help(CampaignConfig, ("round", "verify", "sandbox", "memory_mib"))
     assert sandbox_memory.startswith("RLIMIT_AS of each process")
@@ -136,3 +136,54 @@ def test_rlrounds_config_prints_each_fields_help_and_loads_back(capsys):
     assert "    # Samples per group. GRPO compares samples of one prompt, so at least 2.\n" in text
     assert "    samples_per_prompt: 4\n" in text
     assert CampaignConfig.model_validate(yaml.safe_load(text)) == CampaignConfig()  # the comments change nothing
+
+
+def config_models() -> list[type]:
+    """Every config model: the campaign's sections and the replay, re-filter and re-verify requests."""
+    from flows.config import ReplayRequest
+    from tasks.config.base import _model_in
+    from tasks.config.refilter import RefilterRequest, ReverifyRequest
+
+    found: list[type] = []
+    todo = [CampaignConfig, ReplayRequest, RefilterRequest, ReverifyRequest]
+    while todo:
+        model = todo.pop()
+        if model not in found:
+            found.append(model)
+            todo += [inner for f in model.model_fields.values() if (inner := _model_in(f.annotation))]
+    return found
+
+
+def test_every_field_says_what_it_does_in_at_most_40_words():
+    """Field help is what a field does; measurements go to the performance notes (docs/)."""
+    models = config_models()
+    assert len(models) >= 14  # the walk reached the nested sections
+    undescribed = [f"{m.__name__}.{n}" for m in models for n, f in m.model_fields.items() if not f.description]
+    assert undescribed == []
+    wordy = [
+        f"{m.__name__}.{n}: {len(f.description.split())} words"
+        for m in models
+        for n, f in m.model_fields.items()
+        if len(f.description.split()) > 40
+    ]
+    assert wordy == []
+
+
+def test_the_configuration_reference_is_current():
+    from flows.config_reference import COMMAND, REFERENCE, reference
+
+    assert REFERENCE.exists() and REFERENCE.read_text() == reference(), (
+        f"docs/configuration.md is out of date with the config models; regenerate it with `{COMMAND}`"
+    )
+    text = reference()
+    for section in ("`round.rollout`", "`round.verify.sandbox`", "`round.verify.simulated_environment`"):
+        assert f"### {section}" in text
+    assert "| `samples_per_prompt` | int, >= 2, <= 512 | `4` | Samples per group." in text
+
+
+def test_the_verifiers_a_config_may_name_are_the_registrys():
+    """The config checks verifier names without importing the verifiers; the registry builds each one."""
+    from tasks.config.verify import KNOWN_VERIFIERS
+    from tasks.verifiers.registry import VERIFIERS
+
+    assert sorted(KNOWN_VERIFIERS) == sorted(VERIFIERS)

@@ -58,10 +58,11 @@ def test_rollout_draws_solved_prompts_less_and_records_the_weight(tiny_policy_di
     from models.builtin.addition import make_prompt
     from models.checkpoint import load_policy
     from models.engines.embedded import EmbeddedEngine
-    from tasks.filter import FilterConfig
-    from tasks.prompts import PromptsConfig
-    from tasks.rollout import RolloutConfig, generate_and_verify
-    from tasks.verifiers.config import VerifyConfig
+    from tasks.config.filter import FilterConfig
+    from tasks.config.prompts import PromptsConfig
+    from tasks.config.rollout import RolloutConfig
+    from tasks.config.verify import VerifyConfig
+    from tasks.rollout import generate_and_verify
 
     model, tok = load_policy(tiny_policy_dir)
     solved = frozenset(make_prompt(a, b).prompt_id for a in range(100) for b in range(50))  # half the pairs

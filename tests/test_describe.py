@@ -83,12 +83,13 @@ def test_an_evaluated_round_version_carries_its_description(tmp_path, tiny_polic
     from storage.paths import StorageRoot
     from storage.settings import settings
     from storage.tracking import LINEAGE_TAGS, Tracker
+    from tasks.config.evaluate import EvaluateConfig
+    from tasks.config.prompts import PromptsConfig
+    from tasks.config.verify import VerifyConfig
     from tasks.context import RoundContext
     from tasks.engines import drop_serving_engines
-    from tasks.evaluate import EvaluateConfig, run_evaluate
-    from tasks.prompts import PromptsConfig
+    from tasks.evaluate import run_evaluate
     from tasks.publish import lineage_tags
-    from tasks.verifiers.config import VerifyConfig
 
     monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:4321/api")
     storage = str(tmp_path / "data")
@@ -133,7 +134,7 @@ def test_parse_start(ref, expected):
 
 @pytest.mark.parametrize("ref", ["rlrounds-policy", "p/three", "p@", "/3", "runs/x/rounds/3/checkpoint@a"])
 def test_parse_start_refuses_anything_else_naming_the_forms(ref):
-    from storage.tracking import LineageError
+    from storage.model_versions import LineageError
     from tasks.start import parse_start
 
     with pytest.raises(LineageError, match="NAME@ALIAS"):

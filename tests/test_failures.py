@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 
-from tasks.verifiers.config import VerifyConfig
+from tasks.config.verify import VerifyConfig
 from tasks.verifiers.outcome import Outcome, Verdict, VerifierInfraError
 from tasks.verifiers.pool import InfraFailureRateError, VerifierPool, check_infra_failure_rate, run_verifier
 
@@ -151,9 +151,8 @@ def test_an_inline_pool_answers_on_the_callers_thread_and_a_dying_call_is_an_inf
 
 
 def test_only_instant_verifiers_score_inline_and_never_behind_a_waiting_environment():
-    from tasks.verifiers.config import VerifyConfig
+    from tasks.config.verify import SimulatedEnvironmentConfig, VerifyConfig
     from tasks.verifiers.registry import scores_inline
-    from tasks.verifiers.simulated_env import SimulatedEnvironmentConfig
 
     assert scores_inline("addition", VerifyConfig()) and scores_inline("longtail", VerifyConfig())
     assert not scores_inline("python", VerifyConfig()) and not scores_inline("math", VerifyConfig())
@@ -258,6 +257,7 @@ def test_injected_faults_are_labelled_kept_out_of_the_loss_and_the_round_complet
     from flows.config import RoundConfig
     from storage.paths import StorageRoot
     from storage.trajectories import read_manifest, read_table
+    from tasks.config.verify import KNOWN_VERIFIERS
     from tasks.context import RoundContext
     from tasks.filter import run_filter
     from tasks.rollout import run_rollout
@@ -267,6 +267,7 @@ def test_injected_faults_are_labelled_kept_out_of_the_loss_and_the_round_complet
 
     faults = InjectedFaults()
     monkeypatch.setitem(registry.VERIFIERS, "faulty", VerifierSpec("test", lambda _config: faults))
+    monkeypatch.setitem(KNOWN_VERIFIERS, "faulty", "test")
     config = RoundConfig.model_validate(
         {
             "verify": {
@@ -357,6 +358,7 @@ def test_a_round_past_the_infra_failure_limit_fails_loudly_and_stages_nothing(
 ):
     from flows.config import RoundConfig
     from storage.paths import StorageRoot
+    from tasks.config.verify import KNOWN_VERIFIERS
     from tasks.context import RoundContext
     from tasks.rollout import run_rollout
     from tasks.verifiers import registry
@@ -366,6 +368,7 @@ def test_a_round_past_the_infra_failure_limit_fails_loudly_and_stages_nothing(
         raise VerifierInfraError("sandbox could not start: /proc is read-only")
 
     monkeypatch.setitem(registry.VERIFIERS, "broken", VerifierSpec("test", lambda _config: broken))
+    monkeypatch.setitem(KNOWN_VERIFIERS, "broken", "test")
     config = RoundConfig.model_validate(
         {
             "verify": {"verifier": "broken", "infra_retry_budget": 8},

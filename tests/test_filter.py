@@ -4,6 +4,7 @@ import math
 
 import pytest
 
+from tasks.config.filter import FilterConfig
 from tasks.filter import (
     DROP_INCOMPLETE,
     DROP_INFRA,
@@ -11,7 +12,6 @@ from tasks.filter import (
     DROP_OVERLONG,
     DROP_STALE,
     DROP_ZERO_VARIANCE,
-    FilterConfig,
     apply_decisions,
     decide,
     group_advantages,

@@ -7,9 +7,9 @@ import hashlib
 
 import pytest
 
-from tasks.evaluate import EvaluateConfig
-from tasks.prompts import PromptsConfig
-from tasks.verifiers.config import VerifyConfig
+from tasks.config.evaluate import EvaluateConfig
+from tasks.config.prompts import PromptsConfig
+from tasks.config.verify import VerifyConfig
 from tasks.verifiers.outcome import Outcome, Verdict, VerifierInfraError
 
 NAME = "gate-policy"
@@ -41,6 +41,7 @@ def registry(tmp_path, tiny_policy_dir, monkeypatch):
     from storage.paths import StorageRoot
     from storage.settings import settings
     from storage.tracking import Tracker
+    from tasks.config.verify import KNOWN_VERIFIERS
     from tasks.engines import drop_serving_engines
     from tasks.publish import lineage_tags
     from tasks.verifiers import registry as verifiers
@@ -48,6 +49,7 @@ def registry(tmp_path, tiny_policy_dir, monkeypatch):
 
     judge = Judge()
     monkeypatch.setitem(verifiers.VERIFIERS, "judge", VerifierSpec("test", lambda _config: judge))
+    monkeypatch.setitem(KNOWN_VERIFIERS, "judge", "test")
     drop_serving_engines()
     storage = str(tmp_path / "data")
     tracker = Tracker.connect(settings(), StorageRoot.of(storage))
@@ -139,10 +141,10 @@ def test_the_gate_compares_with_the_champion_at_the_same_engine_and_dtype(regist
 
 
 def test_rlrounds_eval_and_replay_never_move_the_alias(registry):
+    from tasks.config.train import TrainConfig
     from tasks.context import RoundContext
     from tasks.evaluate import run_evaluate_version
     from tasks.replay import ReplayPlan, run_publish_replay
-    from tasks.train import TrainConfig
 
     v1, v2 = registry["register"](0), registry["register"](1)
     _evaluate(registry, 0, "half", v1)
@@ -192,7 +194,7 @@ def test_rlrounds_eval_and_replay_never_move_the_alias(registry):
 
 
 def test_a_champion_of_another_line_is_never_compared_with(registry):
-    from storage.tracking import LineageError
+    from storage.model_versions import LineageError
 
     v1, v2 = registry["register"](0, line="addition"), registry["register"](1, line="addition-heldout-1a2b3c4d")
     _evaluate(registry, 0, "wrong", v1)

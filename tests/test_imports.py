@@ -7,6 +7,7 @@ Every import counts, including those inside functions (a lazy import is still a 
 from __future__ import annotations
 
 import ast
+import json
 import os
 import subprocess
 import sys
@@ -150,3 +151,87 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+# -- where imports sit -------------------------------------------------------------------------------
+
+MOST_LAZY_OWN_IMPORTS = 20
+"""Function-level imports of the project's own modules: the CLI's per-command imports of the modules that
+load torch, pyarrow, MLflow or Prefect, so `rlrounds --help` and `rlrounds config` answer at once."""
+LAZY_THIRD_PARTY = {"vllm", "ray", "s3fs", "boto3", "math_verify"}
+"""Packages a path may never need, imported where that path starts (each with a comment saying why):
+vLLM and Ray for their engines and verifiers, an S3 client for s3:// roots, math-verify (SymPy) in the
+math verifier's worker."""
+SELF_CONTAINED = {"tasks.verifiers.sandbox_child"}
+"""Modules whose functions' source runs in another interpreter (the sandbox), so each imports its own."""
+
+
+def function_level_imports() -> list[tuple[str, int, str, str]]:
+    """(module, line, imported module, its lines with the line above its group) for every import in a function."""
+    found = []
+    for name, path in modules().items():
+        lines = path.read_text().splitlines()
+        tree = ast.parse("\n".join(lines), str(path))
+        for function in ast.walk(tree):
+            if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            for node in ast.walk(function):
+                if isinstance(node, ast.Import):
+                    targets = [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom):
+                    targets = [name if node.level else node.module or ""]
+                else:
+                    continue
+                first = node.lineno - 1
+                while first > 0 and lines[first - 1].lstrip().startswith(("import ", "from ")):
+                    first -= 1  # one comment may explain a group of imports
+                context = "\n".join(lines[max(0, first - 1) : node.end_lineno])
+                found += [(name, node.lineno, target, context) for target in targets]
+    return sorted(set(found))
+
+
+def test_imports_sit_at_module_tops():
+    lazy = [item for item in function_level_imports() if item[0] not in SELF_CONTAINED]
+    own = [f"{m}:{line} {target}" for m, line, target, _ in lazy if target.split(".")[0] in PACKAGES]
+    assert len(own) <= MOST_LAZY_OWN_IMPORTS, "\n".join(own)
+    third_party = [item for item in lazy if item[2].split(".")[0] not in PACKAGES]
+    not_allowed = [f"{m}:{line} {t}" for m, line, t, _ in third_party if t.split(".")[0] not in LAZY_THIRD_PARTY]
+    assert not_allowed == [], "import these at the module's top:\n" + "\n".join(not_allowed)
+    unexplained = [f"{m}:{line} {t}" for m, line, t, context in third_party if "#" not in context]
+    assert unexplained == [], "say on the import's line (or the one above) why it waits:\n" + "\n".join(unexplained)
+
+
+def test_the_import_count_sees_function_level_imports():
+    found = function_level_imports()
+    assert any(m == "flows.cli" and t == "flows.campaign" for m, _, t, _ in found)
+    assert any(m == "models.engines.vllm_engine" and t == "vllm" for m, _, t, _ in found)
+
+
+LIGHT_CHECK = """
+import json, sys
+from flows.config import CampaignConfig, commented_yaml, load_campaign_config
+from flows.cli import main
+
+for preset in (None, "long-tail"):
+    config = load_campaign_config(None, preset)
+    assert CampaignConfig.model_validate(config.model_dump(mode="json")) == config
+    commented_yaml(config)
+json.dumps(CampaignConfig.model_json_schema())
+assert main(["config"]) == 0
+print(json.dumps(sorted(sys.modules)))
+"""
+
+
+def test_a_campaign_config_needs_no_stage_and_no_heavy_library():
+    """Validating, printing (`rlrounds config`) and rendering a config's schema import only the configs."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [sys.executable, "-c", LIGHT_CHECK], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    loaded = json.loads(result.stdout.strip().splitlines()[-1])
+    heavy = {"torch", "pyarrow", "transformers", "mlflow", "prefect", "duckdb", "vllm", "ray", "math_verify"}
+    assert sorted(m for m in loaded if m.split(".")[0] in heavy) == []
+    stages = [m for m in loaded if m.split(".")[0] == "tasks" and m not in ("tasks", "tasks.config")]
+    assert [m for m in stages if not m.startswith("tasks.config.")] == []
+    assert "tasks.config.rollout" in stages  # the check saw the configs being imported

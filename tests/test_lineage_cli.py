@@ -55,7 +55,8 @@ def test_lineage_of_a_three_round_campaign_lists_every_round_and_the_base(tiny_c
 
 
 def test_lineage_through_a_replay_of_a_derived_version(tiny_campaign, capsys):
-    from flows.replay import ReplayRequest, rl_replay
+    from flows.config import ReplayRequest
+    from flows.replay import rl_replay
 
     storage, rounds = tiny_campaign["storage"], tiny_campaign["result"]["rounds"]
     where = "outcome <> 'infra_failure'"

@@ -5,8 +5,8 @@ import pytest
 from pydantic import ValidationError
 
 from flows.config import CampaignConfig, RoundConfig, load_campaign_config
+from tasks.config.publish import PublishConfig, promotion_line
 from tasks.gate import other_line
-from tasks.publish import PublishConfig, promotion_line
 
 
 @pytest.mark.parametrize(

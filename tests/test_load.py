@@ -39,7 +39,7 @@ def _config(run_id: str, held_out: str | None) -> dict:
 
 def _held_out_file(path) -> str:
     """40 prompts of the built-in addition task's held-out set: a line of its own."""
-    from models import addition
+    from models.builtin import addition
 
     with open(path, "w") as f:
         for p in addition.held_out_prompts()[:40]:

@@ -6,16 +6,11 @@ import statistics
 import pytest
 
 from models.builtin import addition, longtail
-from tasks.verifiers.config import VerifyConfig
+from tasks.config.verify import SimulatedEnvironmentConfig, VerifyConfig
 from tasks.verifiers.outcome import Outcome, Verdict, VerifierInfraError
 from tasks.verifiers.pool import VerifierPool, run_verifier
 from tasks.verifiers.registry import get_verifier, rollout_verifier, rollout_verifier_version, verifier_version
-from tasks.verifiers.simulated_env import (
-    SimulatedEnvironment,
-    SimulatedEnvironmentConfig,
-    draw,
-    with_simulated_environment,
-)
+from tasks.verifiers.simulated_env import SimulatedEnvironment, draw, with_simulated_environment
 
 # -- the task -------------------------------------------------------------------------------------
 
@@ -199,7 +194,7 @@ def test_rollout_scores_behind_the_simulation_only_when_it_is_configured():
 
 
 def test_simulation_fields_are_labelled_and_checked():
-    from tasks.config_base import field_help
+    from tasks.config.base import field_help
 
     fields = SimulatedEnvironmentConfig.model_fields
     assert all(fields[name].description.startswith("SIMULATION") for name in fields)

@@ -92,6 +92,7 @@ def test_dr_grpo_policy_loss_by_hand():
 
 
 def test_train_config_offers_dr_grpo():
-    from tasks.train import TrainConfig
+    from tasks.config.train import TrainConfig
+    from tasks.train import loss_settings
 
-    assert TrainConfig(aggregation="dr_grpo").loss_settings().aggregation == "dr_grpo"
+    assert loss_settings(TrainConfig(aggregation="dr_grpo")).aggregation == "dr_grpo"

@@ -82,8 +82,8 @@ def test_a_round_killed_after_its_carry_over_was_committed_resumes_to_the_same_r
 
 
 def test_replaying_a_round_whose_rows_span_two_policy_versions_reproduces_its_weights_bitwise(campaigns):
-    from flows.config import CampaignConfig
-    from flows.replay import ReplayRequest, rl_replay
+    from flows.config import CampaignConfig, ReplayRequest
+    from flows.replay import rl_replay
 
     reference, _ = campaigns
     rows, _, manifest = _rounds(reference)[2]

@@ -12,10 +12,11 @@ import torch
 from models.checkpoint import load_policy, save_policy
 from models.engines.embedded import EmbeddedEngine
 from storage.trajectories import parquet_table, rows_of, rows_to_table, table_bytes
-from tasks.filter import FilterConfig
-from tasks.prompts import PromptsConfig
-from tasks.rollout import RolloutConfig, generate_and_verify
-from tasks.verifiers.config import VerifyConfig
+from tasks.config.filter import FilterConfig
+from tasks.config.prompts import PromptsConfig
+from tasks.config.rollout import RolloutConfig
+from tasks.config.verify import VerifyConfig
+from tasks.rollout import generate_and_verify
 
 # A random policy scores 0 everywhere; keeping zero-variance groups makes every complete group trainable.
 FILTER = FilterConfig(drop_zero_variance=False)

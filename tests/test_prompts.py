@@ -6,8 +6,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from models import addition
-from tasks.prompts import PromptError, PromptsConfig, evaluation_prompts, load_prompt_file, prompt_stream
+from models.builtin import addition
+from tasks.config.prompts import PromptsConfig
+from tasks.prompts import PromptError, evaluation_prompts, load_prompt_file, prompt_stream
 
 
 def test_builtin_stream_is_seeded_and_never_touches_the_held_out_set():

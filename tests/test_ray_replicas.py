@@ -171,7 +171,7 @@ def test_a_round_on_two_replicas_completes_every_group_with_the_usual_rows(campa
     from models.engines.replicas import ReplicaRouter
     from storage.paths import StorageRoot
     from storage.trajectories import arrow_schema, list_manifests, read_table
-    from tasks.rollout import RolloutConfig
+    from tasks.config.rollout import RolloutConfig
 
     storage, result, released = campaign
     root = StorageRoot.of(storage)
@@ -204,7 +204,7 @@ def test_verifier_calls_run_as_ray_tasks_and_keep_their_failure_class():
     still infrastructure (not retryable when it says so), and the pool's bookkeeping is unchanged."""
     import os
 
-    from tasks.verifiers.config import VerifyConfig
+    from tasks.config.verify import VerifyConfig
     from tasks.verifiers.on_ray import RayVerifier
     from tasks.verifiers.outcome import Outcome, Verdict, VerifierInfraError
     from tasks.verifiers.pool import VerifierPool, run_verifier

@@ -22,8 +22,10 @@ from storage.trajectories import (
     rows_to_table,
     write_version,
 )
-from tasks.filter import DROP_ZERO_VARIANCE, FilterConfig
-from tasks.refilter import RefilterRequest, run_refilter
+from tasks.config.filter import FilterConfig
+from tasks.config.refilter import RefilterRequest
+from tasks.filter import DROP_ZERO_VARIANCE
+from tasks.refilter import run_refilter
 
 # Four groups of four samples. Rewards per group:
 #   g0: 1 0 1 0   g1: 1 1 1 0   g2: 0 0 0 1   g3: 1 1 1 1 (zero variance)

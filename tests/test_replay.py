@@ -24,7 +24,8 @@ def _tracker(storage):
 @pytest.fixture(scope="module")
 def replay(tiny_campaign) -> dict:
     """Round 2's own trajectories, replayed from round 1's model version with the campaign's config."""
-    from flows.replay import ReplayRequest, rl_replay
+    from flows.config import ReplayRequest
+    from flows.replay import rl_replay
 
     rounds = tiny_campaign["result"]["rounds"]
     round_config = CampaignConfig.model_validate(tiny_campaign["config"]).round

@@ -14,8 +14,8 @@ import pytest
 
 from storage.campaigns import CampaignError
 from storage.paths import StorageRoot
+from tasks.config.filter import FilterConfig
 from tasks.context import RoundContext
-from tasks.filter import FilterConfig
 from tasks.results import NotInput, TrajectoryVersion
 
 
@@ -119,9 +119,9 @@ def test_the_carry_over_a_round_resumes_and_stages_is_part_of_its_keys(tmp_path)
     carry-over is another input, and so are the partial-rollout settings."""
     from flows import tasks
     from flows.stages import declared_inputs, inputs_key, stage_function
-    from tasks.prompts import PromptsConfig
-    from tasks.rollout import RolloutConfig
-    from tasks.verifiers.config import VerifyConfig
+    from tasks.config.prompts import PromptsConfig
+    from tasks.config.rollout import RolloutConfig
+    from tasks.config.verify import VerifyConfig
 
     rollout, filtering = stage_function(tasks.rollout_task), stage_function(tasks.filter_task)
     assert "carry_from" in declared_inputs(rollout)[0] and "carryover" in declared_inputs(filtering)[0]
@@ -166,7 +166,8 @@ def test_a_committed_round_is_found_and_not_filtered_twice(tmp_path):
         table_bytes,
         write_version,
     )
-    from tasks.filter import FilterConfig, run_filter
+    from tasks.config.filter import FilterConfig
+    from tasks.filter import run_filter
 
     root = StorageRoot.of(str(tmp_path))
     assert committed_round_version(root, "r1", 1) is None

@@ -36,6 +36,7 @@ class Environment:
 @pytest.fixture
 def faulty_round(tmp_path, tiny_policy_dir, monkeypatch):
     from flows.config import RoundConfig
+    from tasks.config.verify import KNOWN_VERIFIERS
     from tasks.context import RoundContext
     from tasks.engines import drop_serving_engines
     from tasks.filter import run_filter
@@ -45,6 +46,7 @@ def faulty_round(tmp_path, tiny_policy_dir, monkeypatch):
 
     environment = Environment()
     monkeypatch.setitem(registry.VERIFIERS, "flaky-env", VerifierSpec("1", lambda _config: environment))
+    monkeypatch.setitem(KNOWN_VERIFIERS, "flaky-env", "test")
     drop_serving_engines()
     config = RoundConfig.model_validate(
         {
@@ -159,7 +161,7 @@ def test_reverify_with_a_predicate_and_a_bad_one(faulty_round, capsys):
 @pytest.mark.slow  # starts a Prefect server
 def test_the_reverify_flow_takes_a_pydantic_request(faulty_round, prefect_harness):
     from flows.replay import rl_reverify
-    from tasks.refilter import ReverifyRequest
+    from tasks.config.refilter import ReverifyRequest
 
     faulty_round["environment"].broken = False
     request = ReverifyRequest(version=faulty_round["version"])

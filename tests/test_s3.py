@@ -155,8 +155,8 @@ def test_campaign_refilter_replay_and_lineage_on_s3(s3_endpoint, prefect_harness
     from safetensors.torch import load as load_safetensors
 
     from flows.campaign import rl_campaign
-    from flows.config import CampaignConfig
-    from flows.replay import ReplayRequest, rl_replay
+    from flows.config import CampaignConfig, ReplayRequest
+    from flows.replay import rl_replay
     from storage import checkpoints
 
     config = {

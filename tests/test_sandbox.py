@@ -20,12 +20,12 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from tasks.config.verify import SandboxLimits, VerifyConfig
 from tasks.verifiers import sandbox
-from tasks.verifiers.config import VerifyConfig
 from tasks.verifiers.outcome import Outcome
 from tasks.verifiers.pool import VerifierPool, run_verifier
 from tasks.verifiers.registry import get_verifier, verifier_version
-from tasks.verifiers.sandbox import SANDBOX_UIDS, SandboxLimits, SandboxRun, classify, extract_code, verify_python
+from tasks.verifiers.sandbox import SANDBOX_UIDS, SandboxRun, classify, extract_code, verify_python
 
 S, F, I = Outcome.SUCCESS, Outcome.MODEL_FAILURE, Outcome.INFRA_FAILURE
 LIMITS = SandboxLimits(wall_timeout_s=2.0, cpu_time_s=1, max_output_bytes=64 * 1024)

@@ -17,11 +17,13 @@ def coin(completion, reference):
 
 @pytest.fixture
 def coin_verifier(monkeypatch):
+    from tasks.config.verify import KNOWN_VERIFIERS
     from tasks.engines import drop_serving_engines
     from tasks.verifiers import registry
     from tasks.verifiers.registry import VerifierSpec
 
     monkeypatch.setitem(registry.VERIFIERS, "coin", VerifierSpec("test", lambda _config: coin))
+    monkeypatch.setitem(KNOWN_VERIFIERS, "coin", "test")
     drop_serving_engines()  # the rounds below start serving engines on tiny policies of their own shape
     yield "coin"
     drop_serving_engines()
@@ -252,7 +254,8 @@ def test_mismatch_is_measured_on_every_minibatch(tiny_policy_dir, recompute):
 
     from models.checkpoint import load_policy
     from models.logprobs import pack_sequences, token_logprobs
-    from tasks.train import TrainBatch, TrainConfig, train_policy
+    from tasks.config.train import TrainConfig
+    from tasks.train import TrainBatch, train_policy
 
     model, tokenizer = load_policy(tiny_policy_dir)
     torch.manual_seed(0)
@@ -291,7 +294,8 @@ def test_epochs_repeat_the_rounds_minibatches_in_order(tiny_policy_dir, recomput
     import torch
 
     from models.checkpoint import load_policy
-    from tasks.train import TrainBatch, TrainConfig, train_policy
+    from tasks.config.train import TrainConfig
+    from tasks.train import TrainBatch, train_policy
 
     model, tokenizer = load_policy(tiny_policy_dir)
     prompt = [tokenizer.bos_token_id, 3, 4, 13]
@@ -319,7 +323,8 @@ def test_updates_stop_once_the_policy_drifts_past_max_kl(tiny_policy_dir):
 
     from models.checkpoint import load_policy
     from models.logprobs import completion_logprobs, pack_shared
-    from tasks.train import TrainBatch, TrainConfig, train_policy
+    from tasks.config.train import TrainConfig
+    from tasks.train import TrainBatch, train_policy
 
     model, tokenizer = load_policy(tiny_policy_dir)
     torch.manual_seed(0)
@@ -379,7 +384,8 @@ def test_tokens_of_older_versions_are_measured_as_lag(tiny_policy_dir):
     import torch
 
     from models.checkpoint import load_policy
-    from tasks.train import TrainBatch, TrainConfig, train_policy
+    from tasks.config.train import TrainConfig
+    from tasks.train import TrainBatch, train_policy
 
     model, tokenizer = load_policy(tiny_policy_dir)
     prompts = [[tokenizer.bos_token_id, 3, 4, 13]] * 2
@@ -449,7 +455,7 @@ def test_shuffled_minibatches_depend_on_the_rows_and_the_seed_not_their_stored_o
 def test_a_recorded_config_without_later_fields_replays_as_its_round_trained():
     """A round recorded before ``epochs`` and ``max_kl`` existed made one pass with no drift limit; a replay
     of it must too, whatever today's defaults are. A config recorded now reads back unchanged."""
-    from tasks.train import TrainConfig
+    from tasks.config.train import TrainConfig
 
     older = TrainConfig().model_dump(mode="json")
     del older["epochs"], older["max_kl"], older["minibatch_order"]

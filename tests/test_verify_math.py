@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tasks.config.verify import VerifyConfig
 from tasks.verifiers import math as math_module
-from tasks.verifiers.config import VerifyConfig
 from tasks.verifiers.math import MathVerifier
 from tasks.verifiers.outcome import Outcome
 from tasks.verifiers.pool import VerifierPool, run_verifier

@@ -320,7 +320,7 @@ def _client(storage):
 def test_a_round_with_vllm_rollouts_records_the_engine_and_its_policy_version(campaign, served):
     from storage.paths import StorageRoot
     from storage.trajectories import list_manifests, read_table
-    from tasks.rollout import RolloutConfig
+    from tasks.config.rollout import RolloutConfig
 
     storage, result = campaign
     (manifest,) = list_manifests(StorageRoot.of(storage))

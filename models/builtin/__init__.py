@@ -13,7 +13,6 @@ from types import ModuleType
 
 from models.builtin import addition, longtail
 from models.builtin.recipe import RECIPE_VERSION, BaseRecipe
-from models.builtin.tokenizer import CHARACTERS
 
 
 @dataclass(frozen=True)
@@ -48,7 +47,7 @@ BUILTINS: dict[str, BuiltinTask] = {
         "builtin:addition",
         addition.TASK_NAME,
         addition,
-        "".join(CHARACTERS),
+        addition.CHARACTERS,
         8,
         BaseRecipe(),
         RECIPE_VERSION,

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from models.prompt import Prompt
 
 TASK_NAME = "addition"
+CHARACTERS = "0123456789+="  # the character tokenizer's alphabet: digits and the two signs a prompt holds
 MAX_OPERAND = 99
 HELD_OUT_SIZE = 500
 _HELD_OUT_SEED = 20_250_101

@@ -15,25 +15,25 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
-from typing import TYPE_CHECKING
 
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
+
+from models.builtin import BUILTINS, BuiltinTask
 from models.builtin.recipe import (
     RECIPE_VERSION as RECIPE_VERSION,  # re-exported: the addition base's cache name uses it
 )
 from models.builtin.recipe import BaseRecipe
 from models.builtin.tokenizer import build_char_tokenizer
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
-
-    from models.builtin import BuiltinTask
-    from models.engines.types import RolloutEngine
-    from models.prompt import Prompt
+from models.checkpoint import save_policy, set_threads
+from models.engines.embedded import EmbeddedEngine
+from models.engines.greedy import greedy_completions
+from models.engines.types import RolloutEngine
+from models.logprobs import pack_sequences
+from models.prompt import Prompt
 
 
 def build_model(recipe: BaseRecipe, vocab_size: int, tokenizer):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     config = LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=recipe.hidden_size,
@@ -55,9 +55,6 @@ def build_base_policy(
 ) -> dict:
     """Train the base policy of ``task`` (default: addition) into ``out_dir`` (local), with its own recipe
     unless ``recipe`` is given. Returns its metadata (with held-out accuracy)."""
-    from models.builtin import BUILTINS
-    from models.checkpoint import set_threads
-
     task = task or BUILTINS["builtin"]
     recipe = recipe or task.recipe
     start = time.perf_counter()
@@ -69,11 +66,6 @@ def build_base_policy(
 
 
 def _build(out_dir: str, recipe: BaseRecipe, progress, start: float, task: BuiltinTask) -> dict:
-    import torch
-
-    from models.checkpoint import save_policy
-    from models.engines.embedded import EmbeddedEngine
-
     torch.manual_seed(recipe.seed)
     tokenizer = build_char_tokenizer(task.characters)
     model = build_model(recipe, len(tokenizer), tokenizer)
@@ -144,8 +136,6 @@ def _by_length(prompts: list, buckets: int) -> list[list]:
 
 
 def _answer_batch(tokenizer, prompts):
-    from models.logprobs import pack_sequences
-
     enc_prompts = [tokenizer(p.text)["input_ids"] for p in prompts]
     enc_answers = [
         tokenizer(p.reference, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for p in prompts
@@ -165,8 +155,6 @@ def teacher_forced_accuracy(model, tokenizer, prompts, buckets: int = 1) -> floa
     when, fed the reference, the argmax at every answer position (end-of-sequence included) is the next
     reference token. One forward pass instead of up to ``answer_tokens`` decode steps, where wrong
     samples would run on to the limit."""
-    import torch
-
     correct = 0
     with torch.inference_mode():
         for part in _by_length(prompts, buckets):
@@ -180,8 +168,6 @@ def greedy_accuracy(
     engine: RolloutEngine, tokenizer: PreTrainedTokenizerBase, prompts: Sequence[Prompt], max_tokens: int = 8
 ) -> float:
     """Greedy exact-match accuracy of ``engine`` on ``prompts`` (the built-in verifiers' rule)."""
-    from models.engines.greedy import greedy_completions
-
     correct = sum(
         text.strip() == prompt.reference
         for prompt, text, _ in greedy_completions(engine, tokenizer, prompts, max_tokens)
@@ -190,7 +176,7 @@ def greedy_accuracy(
 
 
 if __name__ == "__main__":
-    from models.builtin import BUILTINS
+    from models.builtin import BUILTINS, BuiltinTask
 
     meta = build_base_policy(
         sys.argv[1], progress=print, task=BUILTINS[sys.argv[2] if len(sys.argv) > 2 else "builtin"]

@@ -8,17 +8,18 @@ from __future__ import annotations
 
 from typing import Any
 
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import PreTrainedTokenizerFast
+
+from models.builtin import addition
+
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 SPECIAL_TOKENS = [PAD, BOS, EOS, UNK]
-CHARACTERS = list("0123456789+=")
 
 
-def build_char_tokenizer(characters: str | list[str] = CHARACTERS) -> Any:
+def build_char_tokenizer(characters: str | list[str] = addition.CHARACTERS) -> Any:
     """pad/bos/eos/unk, then one token per character (by default 16 tokens: ten digits, ``+`` and ``=``).
     Prompts get a BOS prepended. Another task passes its own characters; their order fixes the ids."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + list(characters))}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")

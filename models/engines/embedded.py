@@ -14,8 +14,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
+import torch
+
+from models.checkpoint import load_state_dict
+from models.engines.kv_cache import PaddedCache, SlotCache, distinct_inputs, slot_cache_applies
 from models.engines.types import (
     ABORT,
     EngineInfo,
@@ -26,9 +30,8 @@ from models.engines.types import (
     WeightUpdate,
     sample_seed,
 )
+from models.logprobs import nucleus_drop  # the trainer's scoring uses the same rule
 
-if TYPE_CHECKING:
-    import torch
 
 @dataclass
 class _Sequence:
@@ -90,8 +93,6 @@ class EmbeddedEngine(RolloutEngine):
         update_kv: UpdateKV = "recompute",
         kv_cache: KVCacheKind = "auto",
     ):
-        import torch
-
         self.update_kv = update_kv
         self.model = model.eval()
         self.eos_token_id = eos_token_id
@@ -108,8 +109,6 @@ class EmbeddedEngine(RolloutEngine):
     def kv_cache(self) -> str:
         """The KV cache the next ``generate`` uses: 'slots' or 'padded' (``max_batch`` may change between
         calls). Raises if ``kv_cache='slots'`` was asked for and cannot serve this model at this size."""
-        from models.engines.kv_cache import slot_cache_applies
-
         if self._kv_setting == "padded":
             return "padded"
         positions = getattr(self.model.config, "max_position_embeddings", None) or 4096
@@ -126,8 +125,6 @@ class EmbeddedEngine(RolloutEngine):
         pass  # nothing outside this process: the model and its caches go with the object
 
     def load_weights(self, checkpoint_dir: str, policy_version: int) -> float:
-        from models.checkpoint import load_state_dict
-
         state = load_state_dict(checkpoint_dir)  # read before pausing: only the copy blocks serving
         paused = time.perf_counter()
         self.model.load_state_dict(state)
@@ -135,8 +132,6 @@ class EmbeddedEngine(RolloutEngine):
         return time.perf_counter() - paused
 
     def _new_cache(self):
-        from models.engines.kv_cache import PaddedCache, SlotCache
-
         if self.kv_cache == "slots":
             return SlotCache(self.model, self.max_batch, self.pad_token_id)
         return PaddedCache(self.model, self.pad_token_id)
@@ -149,8 +144,6 @@ class EmbeddedEngine(RolloutEngine):
         should_stop: Callable[[], bool] | None = None,
         update: WeightUpdate | None = None,
     ) -> Iterator[GeneratedSample]:
-        import torch
-
         feed = iter(groups)
         waiting: list[_Sequence] = []  # sequences of pulled groups not yet admitted
 
@@ -217,8 +210,6 @@ class EmbeddedEngine(RolloutEngine):
     def _swap(self, cache, seqs: list[_Sequence], directory: str, version: int, update: WeightUpdate):
         """Load ``version`` between two decode steps; with ``recompute``, prefill the sequences in flight
         again under it and return their next-token logits (the caller skips a decode step), else None."""
-        from models.checkpoint import load_state_dict
-
         state = load_state_dict(directory)  # read before pausing: only the copy and the recompute block
         paused = time.perf_counter()
         self.model.load_state_dict(state)
@@ -239,8 +230,6 @@ class EmbeddedEngine(RolloutEngine):
         A group's fresh samples share their whole input, so each distinct input runs once and its
         keys, values and logits are copied to one row per sequence: an n-sample group pays one
         prompt's prefill, not n."""
-        from models.engines.kv_cache import distinct_inputs
-
         now = time.time()
         seqs.sort(key=lambda s: -(len(s.group.prompt_token_ids) + len(s.tokens)))  # longest first: see attention_runs
         for s in seqs:
@@ -259,8 +248,6 @@ def sample_tokens(logits: torch.Tensor, seqs: list[_Sequence], eos_token_id: int
     position, vocabulary index), so a sample does not depend on which rows shared its batch.
     Temperature 0 is greedy and reports the logprob under the unscaled distribution.
     """
-    import torch
-
     temps = torch.tensor([s.group.sampling.temperature for s in seqs], dtype=logits.dtype)
     top_ps = torch.tensor([s.group.sampling.top_p for s in seqs], dtype=logits.dtype)
     ignore = [row for row, s in enumerate(seqs) if s.group.sampling.ignore_eos]
@@ -289,8 +276,6 @@ _GOLDEN, _MIX1, _MIX2 = _signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9)
 def counter_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
     """Uniform (0, 1) noise [B, V] from a splitmix64 hash of (seed, position, index): stateless and
     vectorised, so no per-row generator is needed. Integer overflow wraps, as the hash intends."""
-    import torch
-
     index = torch.arange(vocab, dtype=torch.int64)
     x = (seeds * _GOLDEN + positions * _MIX1).unsqueeze(-1) + index * _MIX2  # [B, V]
     for shift, mult in ((30, _MIX1), (27, _MIX2)):
@@ -302,6 +287,4 @@ def counter_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) ->
 
 def _top_p_filter(scaled: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
     """Keep the smallest set of tokens whose probability reaches top_p (per row); mask the rest."""
-    from models.logprobs import nucleus_drop  # the trainer's scoring uses the same rule
-
     return scaled.masked_fill(nucleus_drop(scaled, top_ps.unsqueeze(-1)), float("-inf"))

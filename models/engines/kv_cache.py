@@ -25,12 +25,13 @@ of the stage (docs/performance.md); ``benchmarks/engine.py`` compares the two.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from models.logprobs import cache_argument, cache_of
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
 
-if TYPE_CHECKING:
-    import torch
+from models.logprobs import cache_argument, cache_of, length_chunks
 
 SLOT_ARCHITECTURES = ("llama", "qwen2")
 """Model types whose decoder layer is the one SlotCache reproduces (pre-norm attention and MLP,
@@ -80,8 +81,6 @@ class SlotCache:
     """Preallocated per-slot keys and values and a decode written against them (module doc)."""
 
     def __init__(self, model: Any, slots: int, pad_token_id: int):
-        import torch
-
         cfg = model.config
         self.model = model
         self.slots = slots
@@ -99,8 +98,6 @@ class SlotCache:
 
     def _reserve(self, width: int) -> None:
         """Room for ``width`` positions per slot; grows (rarely: to the longest input + max_tokens) by copy."""
-        import torch
-
         if width <= self.width:
             return
         width = -(-width // 8) * 8
@@ -121,10 +118,6 @@ class SlotCache:
 
         Inputs prefill in chunks of similar length (``PREFILL_PADDING_BUDGET``): resumed samples carry
         prefixes of every length, and one long prefix would pad every joining row up to it."""
-        import torch
-
-        from models.logprobs import length_chunks
-
         n = len(owner)
         if self.live + n > self.slots:
             raise ValueError(f"{self.live} live rows + {n} joining exceed {self.slots} slots")
@@ -150,9 +143,6 @@ class SlotCache:
     ) -> torch.Tensor:
         """Run ``inputs`` (of ``lengths``) right-padded to the longest; slot ``slots[i]`` takes the keys and
         values of input ``rows[i]``. Logits [len(inputs), V] for each input's next token."""
-        import torch
-        import torch.nn.functional as F
-
         span = int(lengths.max())
         ids = torch.full((len(inputs), span), self.pad_token_id, dtype=torch.long)
         for row, x in enumerate(inputs):
@@ -180,8 +170,6 @@ class SlotCache:
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed ``tokens`` [A] (one per live row, in slot order); logits [A, V] for the token after."""
-        import torch
-
         live = self.live
         positions = self.lengths[:live]
         # Runs of contiguous rows, each attending over the keys of its own longest row: rows are kept in
@@ -212,7 +200,6 @@ class SlotCache:
         Below float32 (serving precision) the products and sums run in float32, as attention kernels
         accumulate: with bfloat16 products more of the base's greedy held-out answers differed from
         transformers' cache, and its accuracy was not theirs (docs/performance.md)."""
-        import torch
 
         live, span = keys.shape[:2]
         group = self.heads // self.kv_heads
@@ -227,8 +214,6 @@ class SlotCache:
 
     def retire(self, keep: list[int]) -> list[int]:
         """Keep rows ``keep``; the last live rows fill the holes the others leave."""
-        import torch
-
         remaining = len(keep)
         kept = set(keep)
         holes = [row for row in range(remaining) if row not in kept]
@@ -249,8 +234,6 @@ class SlotCache:
         last live row, a short one, so rows fall out of order as long ones finish. The order (order[i] is the
         old row now at i), or None if nothing moved: the keys the next ``SORT_PAYBACK_STEPS`` steps would
         save must outweigh the keys copied (the positions the rows hold)."""
-        import torch
-
         live = self.live
         if live <= ATTEND_BLOCK_ROWS:
             return None
@@ -323,8 +306,6 @@ def attention_runs(positions: torch.Tensor) -> list[tuple[int, int, int]]:
     fall between blocks of ``ATTEND_BLOCK_ROWS`` rows and minimise the keys read (rows x their run's
     keys) plus ``RUN_OVERHEAD_KEYS`` a run. The result is the same however the batch is cut; only the
     work differs."""
-    import torch
-
     live = positions.shape[0]
     counts = positions + 1
     if live <= ATTEND_BLOCK_ROWS:
@@ -353,8 +334,6 @@ def attention_runs(positions: torch.Tensor) -> list[tuple[int, int, int]]:
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary positions, as transformers' ``apply_rotary_pos_emb`` computes them."""
-    import torch
-
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
@@ -380,8 +359,6 @@ class PaddedCache:
         self.cache = self.mask = self.next_pos = None
 
     def admit(self, inputs: list[tuple[int, ...]], owner: list[int], width: int) -> torch.Tensor:
-        import torch
-
         span = max(len(x) for x in inputs)
         ids = torch.full((len(inputs), span), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(inputs), span), dtype=torch.long)
@@ -398,8 +375,6 @@ class PaddedCache:
         return out.logits[rows, -1, :].float()
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        import torch
-
         ids = tokens.unsqueeze(-1)  # [A, 1]
         self.mask = torch.cat([self.mask, torch.ones_like(ids)], dim=-1)
         out = self.model(
@@ -414,8 +389,6 @@ class PaddedCache:
         return out.logits[:, -1, :].float()
 
     def retire(self, keep: list[int]) -> list[int]:
-        import torch
-
         if not keep:
             self.clear()
             return keep
@@ -430,8 +403,6 @@ class PaddedCache:
         sequence has left, its padding is all that is left of those columns; without this the mask and
         cache keep growing one column per step for as long as the batch keeps running (refilled waves
         never empty it), and every step and every join pays for the whole history."""
-        import torch
-
         used = self.mask.any(dim=0)  # [L]
         first = int(used.to(torch.int8).argmax())
         if first == 0:
@@ -446,8 +417,6 @@ class PaddedCache:
         if self.mask is None:
             self.cache, self.mask, self.next_pos = cache, mask, next_pos
             return
-        import torch
-        from transformers import DynamicCache
 
         width = max(self.mask.shape[1], mask.shape[1])
 

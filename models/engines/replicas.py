@@ -31,6 +31,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from models.checkpoint import set_threads
 from models.engines.types import (
     EngineInfo,
     GeneratedSample,
@@ -52,8 +53,6 @@ class EngineReplica:
     """The actor body: one engine, driven by the router. Wrapped with ``ray.remote`` at start."""
 
     def __init__(self, build: Callable[[], RolloutEngine], threads: int):
-        from models.checkpoint import set_threads
-
         set_threads(threads)  # Ray's OMP_NUM_THREADS already gives an actor its CPUs: usually nothing to do
         self.engine = build()
         self._stopped: set[str] = set()  # generation ids whose samples must stop
@@ -119,7 +118,7 @@ class ReplicaRouter(RolloutEngine):
     replica, and pulls more groups only when a replica has room for another call."""
 
     def __init__(self, actors: list[Any], groups_per_call: int, calls_per_replica: int = 2):
-        import ray
+        import ray  # Ray only where engines or verifiers run on it: importing it takes seconds
 
         self.actors = actors
         self.groups_per_call = max(1, groups_per_call)
@@ -145,7 +144,7 @@ class ReplicaRouter(RolloutEngine):
         groups_per_call: int = 64,
     ) -> ReplicaRouter:
         """Start ``replicas`` actors on the connected Ray cluster (``ray.init`` must have run)."""
-        import ray
+        import ray  # Ray only where engines or verifiers run on it: importing it takes seconds
 
         # The default group stays one thread (one call drives the engine at a time); stop() has its own.
         actor_class = ray.remote(num_cpus=cpus_per_replica, num_gpus=gpus_per_replica, concurrency_groups={CONTROL: 1})(
@@ -161,7 +160,7 @@ class ReplicaRouter(RolloutEngine):
     @property
     def decode_steps(self) -> int:
         """Every replica's decode steps, summed: each replica steps on its own."""
-        import ray
+        import ray  # Ray only where engines or verifiers run on it: importing it takes seconds
 
         return sum(ray.get([a.decode_steps.options(concurrency_group=CONTROL).remote() for a in self.actors]))
 
@@ -176,7 +175,7 @@ class ReplicaRouter(RolloutEngine):
                 "a replica set loads new weights between calls only; weight updates in flight (mode "
                 "'overlap') need one engine in this process: set rollout.replicas 1 and no ray_address"
             )
-        import ray
+        import ray  # Ray only where engines or verifiers run on it: importing it takes seconds
 
         feed = iter(groups)
         queues: list[deque[GroupRequest]] = [deque() for _ in self.actors]
@@ -239,7 +238,7 @@ class ReplicaRouter(RolloutEngine):
 
     def load_weights(self, checkpoint_dir: str, policy_version: int) -> float:
         """Every replica loads the weights in place, concurrently; the pause is the longest one."""
-        import ray
+        import ray  # Ray only where engines or verifiers run on it: importing it takes seconds
 
         pauses = ray.get([a.load_weights.remote(checkpoint_dir, policy_version) for a in self.actors])
         self.policy_version = policy_version
@@ -251,7 +250,7 @@ class ReplicaRouter(RolloutEngine):
         replica set does not take."""
 
     def close(self) -> None:
-        import ray
+        import ray  # Ray only where engines or verifiers run on it: importing it takes seconds
 
         try:
             ray.get([a.close.remote() for a in self.actors], timeout=60)

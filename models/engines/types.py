@@ -35,6 +35,7 @@ the trainer was: the engine waits there for the weights if they are late.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
@@ -190,7 +191,5 @@ class RolloutEngine(Protocol):
 
 def sample_seed(seed: int, group_id: str, sample_index: int) -> int:
     """A per-sample seed that does not depend on batching, so samples reproduce whatever the schedule."""
-    import hashlib
-
     digest = hashlib.blake2b(f"{seed}/{group_id}/{sample_index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF

@@ -32,7 +32,9 @@ Choices that keep its rows interchangeable with the embedded engine's:
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -67,8 +69,6 @@ def default_engine_args(on_cpu: bool) -> dict[str, Any]:
     GPU: a bit under half the device, so the rollout engine and an evaluation engine at another
     precision fit side by side.
     """
-    import json
-
     if on_cpu:
         gib = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or 1)
         args: dict[str, Any] = {
@@ -101,7 +101,6 @@ def resume_seed(seed: int, prefix_tokens: int) -> int:
     """The seed of a request continuing a sample after ``prefix_tokens`` tokens (0: the sample's own seed)."""
     if prefix_tokens == 0:
         return seed
-    import hashlib
 
     digest = hashlib.blake2b(f"{seed}@{prefix_tokens}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF
@@ -113,6 +112,7 @@ class VLLMEngine(RolloutEngine):
     def __init__(self, checkpoint_dir: str, dtype: str = "float32", policy_version: int = 0, max_batch: int = 1024,
                  engine_args: dict[str, Any] | None = None, update_kv: UpdateKV = "recompute"):
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM logs every step at INFO
+        # vLLM only for engine 'vllm', and after VLLM_LOGGING_LEVEL, which it reads when imported
         import vllm
         from vllm.platforms import current_platform
 
@@ -239,7 +239,7 @@ class VLLMEngine(RolloutEngine):
 
     @staticmethod
     def _sampling_params(group: GroupRequest, index: int, prefix_tokens: int = 0):
-        from vllm import SamplingParams
+        from vllm import SamplingParams  # vLLM only for engine 'vllm'
 
         s = group.sampling
         return SamplingParams(

@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import hashlib
 import json
+import logging
 import os
 import select
 import subprocess
@@ -90,8 +91,6 @@ def _serve() -> None:
     """Worker main loop: one JSON request per stdin line, one JSON reply per stdout line.
 
     It ends when stdin closes, which happens when its verifier process exits, however it exits."""
-    import logging
-
     # The parent enforces the deadline, so math-verify's "timeout is disabled" warning is noise.
     logging.getLogger("math_verify").setLevel(logging.ERROR)
     protocol, sys.stdout = sys.stdout, sys.stderr  # a stray print must not corrupt the replies

@@ -23,7 +23,7 @@ _remote_call = None
 def _remote():
     global _remote_call
     if _remote_call is None:
-        import ray
+        import ray  # Ray only where engines or verifiers run on it: importing it takes seconds
 
         @ray.remote(num_cpus=TASK_CPUS, max_retries=0)  # retries are the pool's, counted against its budget
         def call(verifier: Verifier, completion_text: str, reference: str) -> Verdict:
@@ -40,6 +40,6 @@ class RayVerifier:
         self.inner = inner
 
     def __call__(self, completion_text: str, reference: str) -> Verdict:
-        import ray
+        import ray  # Ray only where engines or verifiers run on it: importing it takes seconds
 
         return ray.get(_remote().remote(self.inner, completion_text, reference))

@@ -15,8 +15,9 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tasks.config.verify import VerifyConfig
 from tasks.verifiers import addition, longtail, math, sandbox, simulated_env
-from tasks.verifiers.config import VerifyConfig
+from tasks.verifiers.on_ray import RayVerifier
 from tasks.verifiers.outcome import Verifier
 
 
@@ -63,8 +64,6 @@ def rollout_verifier(name: str, config: VerifyConfig, round_seed: int) -> Verifi
     ``round_seed``)."""
     verifier = get_verifier(name, config)
     if config.on_ray:
-        from tasks.verifiers.on_ray import RayVerifier
-
         verifier = RayVerifier(verifier)
     return simulated_env.with_simulated_environment(verifier, config.simulated_environment, round_seed)
 

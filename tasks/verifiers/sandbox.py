@@ -56,65 +56,12 @@ import time
 from dataclasses import dataclass
 from functools import cache
 
-from pydantic import ConfigDict, ValidationInfo, field_validator
-
-from tasks.config_base import Config
+from tasks.config.verify import SandboxLimits
 from tasks.verifiers.outcome import Outcome, Verdict, VerifierInfraError
 from tasks.verifiers.sandbox_child import bootstrap, runner, solution_server
 
 VERSION = "2"  # bump when isolation or classification changes; recorded with every reward
 SANDBOX_UIDS = range(1_500_000_000, 1_600_000_000)  # per-run uids and gids; nothing else uses them
-
-
-class SandboxLimits(Config):
-    """Resource limits for one sandboxed run. Worst-case memory of one sample is
-    ``max_processes * memory_mib`` plus ``disk_mib``: size the verifier pool with that in mind."""
-
-    model_config = ConfigDict(frozen=True)
-
-    wall_timeout_s: float = 5.0
-    """Seconds from launch until the whole sandbox is killed; the model's failure (it hung or slept)."""
-    cpu_time_s: int = 5
-    """RLIMIT_CPU of each process, whole seconds; a busy loop is killed (SIGKILL) when it runs out."""
-    memory_mib: int = 256
-    """RLIMIT_AS of each process, MiB of address space; allocations beyond it raise MemoryError."""
-    max_processes: int = 8
-    """RLIMIT_NPROC of the run's private uid: processes plus threads, so a fork bomb stops here."""
-    max_open_files: int = 64
-    """RLIMIT_NOFILE of each process."""
-    max_output_bytes: int = 1 << 20
-    """Bytes the program may write (stdout, stderr) before it is killed; only tails are kept."""
-    disk_mib: int = 16
-    """Size of the private tmpfs working directory, the only writable place."""
-    python: str | None = None
-    """Interpreter run inside the sandbox; None means this process's own base interpreter."""
-
-    @field_validator(
-        "wall_timeout_s",
-        "cpu_time_s",
-        "memory_mib",
-        "max_processes",
-        "max_open_files",
-        "max_output_bytes",
-        "disk_mib",
-    )
-    @classmethod
-    def _in_range(cls, value: float, info: ValidationInfo) -> float:
-        low, high, why = _RANGES[info.field_name or ""]
-        if not low <= value <= high:
-            raise ValueError(f"{info.field_name}={value} is out of range: {why}; set it between {low} and {high}")
-        return value
-
-
-_RANGES: dict[str, tuple[float, float, str]] = {
-    "wall_timeout_s": (0.5, 600, "below 0.5 s the interpreter may not even start"),
-    "cpu_time_s": (1, 600, "RLIMIT_CPU counts whole seconds"),
-    "memory_mib": (64, 65536, "the Python interpreter alone maps about 30 MiB"),
-    "max_processes": (1, 4096, "the program itself is one process"),
-    "max_open_files": (16, 65536, "the interpreter opens a few files to start"),
-    "max_output_bytes": (1024, 1 << 30, "error messages need a few KiB of output"),
-    "disk_mib": (1, 65536, "the task file is written there first"),
-}
 
 
 # -- pure logic --------------------------------------------------------------------------------

@@ -29,37 +29,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pydantic import Field
-
-from tasks.config_base import Config
+from tasks.config.verify import SimulatedEnvironmentConfig
 from tasks.verifiers.outcome import Verdict, Verifier, VerifierInfraError
 
 VERSION = "1"  # bump when the draws or their meaning change; recorded with every reward it stood in front of
-
-_Z99 = statistics.NormalDist().inv_cdf(0.99)  # 2.326: p99 of a lognormal is median * exp(sigma * z99)
-
-
-class SimulatedEnvironmentConfig(Config):
-    """SIMULATION of a remote environment's latency and outages around the verifier (no remote service is
-    called)."""
-
-    median_latency_s: float = Field(0.05, ge=0.0, le=60.0)
-    """SIMULATION: median seconds a verifier call waits before scoring, standing for a remote round trip
-    (lognormal). 0 disables the delay."""
-    p99_over_median: float = Field(10.0, ge=1.0, le=1000.0)
-    """SIMULATION: the latency tail, p99 / p50 of the lognormal (10: one call in a hundred waits at least
-    ten times the median). 1 makes every call wait exactly the median."""
-    infra_failure_rate: float = Field(0.0, ge=0.0, le=1.0)
-    """SIMULATION: share of samples whose environment fails after its delay (outcome infra_failure, dropped
-    from the loss, counted against verify.max_infra_failure_rate). 0: the simulated environment never fails."""
-    seed: int = 0
-    """SIMULATION: seeds the draws, together with the round's seed and the sample itself."""
-
-    @property
-    def sigma(self) -> float:
-        """Standard deviation of log-latency that gives ``p99_over_median``."""
-        return math.log(self.p99_over_median) / _Z99
-
 
 @dataclass(frozen=True)
 class EnvironmentDraw:

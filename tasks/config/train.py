@@ -1,0 +1,71 @@
+"""The train section: the optimizer, the PPO-style loss and how a round's groups are split into updates."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from tasks.config.base import Config
+
+
+class TrainConfig(Config):
+    """How the policy is updated from one round's trajectories."""
+
+    learning_rate: float = Field(1e-4, gt=0.0, le=1.0)
+    """AdamW learning rate."""
+    groups_per_step: int = Field(128, ge=1)
+    """Groups (prompts x samples_per_prompt) per optimizer step."""
+    steps_per_round: int = Field(16, ge=1)
+    """Optimizer steps per round. The round's trainable batch is groups_per_step x steps_per_round groups."""
+    epochs: int = Field(2, ge=1, le=16)
+    """Passes over the round's trainable groups, each taking steps_per_round steps over the same minibatches in the
+    same order: epochs x steps_per_round updates from one rollout. Later passes train on rows the policy has moved
+    from, which the PPO clip bounds."""
+    max_kl: float | None = Field(0.08, gt=0.0)
+    """Stop the round's updates once the policy has drifted this far from the one that sampled its rows: the k3
+    estimate of KL(sampling || current) over a minibatch's tokens, before its update (PPO's target KL). None: never
+    stop early."""
+    max_grad_norm: float = Field(1.0, gt=0.0)
+    """Global gradient-norm clip."""
+    weight_decay: float = Field(0.0, ge=0.0)
+    """AdamW weight decay."""
+    clip_low: float = Field(0.2, ge=0.0, le=1.0)
+    """PPO clip below 1 (ratio >= 1 - clip_low)."""
+    clip_high: float = Field(0.2, ge=0.0, le=10.0)
+    """PPO clip above 1 (ratio <= 1 + clip_high); raise it for DAPO-style clip-higher."""
+    tis_cap: float = Field(2.0, ge=1.0)
+    """Truncation cap of the engine/trainer importance weight."""
+    minibatch_order: Literal["shuffled", "stored"] = "shuffled"
+    """Which groups share a minibatch. 'shuffled': a seeded hash of each group id orders them, so a replay makes the
+    same updates. 'stored': the order groups finished in, shortest first; resumed long groups' drift may then stop
+    updates early."""
+    recompute_proximal: Literal["auto", "always", "never"] = "auto"
+    """Recompute the trainer's logprobs at the sampling weights before training (the 'proximal' policy) for the
+    truncated importance-sampling correction. 'auto': except for rows from the embedded float32 engine with top_p 1,
+    whose logprobs already match the trainer's."""
+    aggregation: Literal["token", "sequence", "dr_grpo"] = "token"
+    """Loss aggregation: 'token' (mean over a minibatch's completion tokens), 'sequence' (mean over each sample's
+    tokens, then over samples), or 'dr_grpo' (sum over tokens / (samples x rollout.max_tokens), no length bias; pair
+    it with filter.normalize_std=false)."""
+    kl_coef: float = Field(0.0, ge=0.0)
+    """Weight of a k3 KL penalty to the reference policy named by ``kl_reference`` (0: none is loaded)."""
+    kl_reference: Literal["base", "parent"] = "base"
+    """Reference policy of the KL penalty. 'base': the campaign's starting policy, a fixed anchor the
+    whole campaign is pulled towards. 'parent': the checkpoint the round starts from, a moving trust
+    region that only limits how far one round moves."""
+    seed: int = 0
+    """Seed for anything random in training. Dropout is never active (the policy trains in eval mode),
+    so on CPU an update is a function of the weights and the stored rows alone."""
+
+    @classmethod
+    def recorded(cls, recorded: dict) -> TrainConfig:
+        """A training config as a round's lineage recorded it. A field added since trains, when absent, the
+        way rounds did before it existed (``BEFORE_FIELDS``), not by today's default: a replay of an older
+        round must make the same updates."""
+        return cls.model_validate({**BEFORE_FIELDS, **recorded})
+
+
+BEFORE_FIELDS: dict = {"epochs": 1, "max_kl": None, "minibatch_order": "stored"}
+"""How rounds trained before these ``TrainConfig`` fields existed: one pass, no drift limit, minibatches
+in stored order."""

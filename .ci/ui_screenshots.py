@@ -56,11 +56,17 @@ def _browser() -> str:
 
 def _open(browser: str, url: str, screenshot: str) -> str:
     """Render ``url`` (letting its scripts run), save a screenshot, and return the rendered DOM."""
-    common = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-              "--window-size=1400,2200", "--virtual-time-budget=30000"]
+    common = [
+        browser,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--hide-scrollbars",
+        "--window-size=1400,2200",
+        "--virtual-time-budget=30000",
+    ]
     subprocess.run([*common, f"--screenshot={screenshot}", url], capture_output=True, timeout=180, check=True)
-    return subprocess.run([*common, "--dump-dom", url], capture_output=True, text=True, timeout=180,
-                          check=True).stdout
+    return subprocess.run([*common, "--dump-dom", url], capture_output=True, text=True, timeout=180, check=True).stdout
 
 
 def _seed_base(storage: str) -> None:
@@ -88,13 +94,25 @@ def main() -> int:
     port = _free_port()
     ui, api = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port}/api"
     storage = os.path.join(home, "data")
-    env = {**os.environ, "PREFECT_HOME": os.path.join(home, "prefect"), "PREFECT_API_URL": api,
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1", "PYTHONPATH": REPO,
-           "RLROUNDS_HOME": REPO, "RLROUNDS_STORAGE": storage, "RLROUNDS_CACHE": os.path.join(home, "cache")}
+    env = {
+        **os.environ,
+        "PREFECT_HOME": os.path.join(home, "prefect"),
+        "PREFECT_API_URL": api,
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "DO_NOT_TRACK": "1",
+        "PYTHONPATH": REPO,
+        "RLROUNDS_HOME": REPO,
+        "RLROUNDS_STORAGE": storage,
+        "RLROUNDS_CACHE": os.path.join(home, "cache"),
+    }
     log = open(os.path.join(home, "server.log"), "w")
-    server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                               "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT,
-                              start_new_session=True)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 180  # a first start runs the database migrations
         while True:
@@ -106,15 +124,20 @@ def main() -> int:
                     sys.exit(f"the Prefect server did not start; see {log.name}")
                 time.sleep(1)
         for command in (["work-pool", "create", "rlrounds", "--type", "process"], ["--no-prompt", "deploy", "--all"]):
-            subprocess.run([sys.executable, "-m", "prefect", *command], cwd=REPO, env=env, check=True,
-                           capture_output=True)
+            subprocess.run(
+                [sys.executable, "-m", "prefect", *command], cwd=REPO, env=env, check=True, capture_output=True
+            )
         _seed_base(storage)
         config = os.path.join(home, "campaign.json")
         with open(config, "w") as f:
             tiny = {"train": {"groups_per_step": 2, "steps_per_round": 2}}
             json.dump({"rounds": 1, "run_id": "ui", "round": tiny}, f)
-        subprocess.run([sys.executable, "-m", "flows.cli", "run", "--config", config, "--storage", storage],
-                       cwd=REPO, env=env, check=True)
+        subprocess.run(
+            [sys.executable, "-m", "flows.cli", "run", "--config", config, "--storage", storage],
+            cwd=REPO,
+            env=env,
+            check=True,
+        )
         deployment = _get(f"{api}/deployments/name/rl-campaign/campaign")
         artifacts = _post(f"{api}/artifacts/filter", {"artifacts": {"key": {"any_": ["round-ui-1"]}}})
         if not artifacts:

@@ -152,7 +152,8 @@ def main() -> int:
         problems = compare_rows(ta, tb)
         ckpt_a, ckpt_b = os.path.join(da, "checkpoint"), os.path.join(db, "checkpoint")
         problems += compare_tensors(
-            load_file(os.path.join(ckpt_a, "model.safetensors")), load_file(os.path.join(ckpt_b, "model.safetensors")),
+            load_file(os.path.join(ckpt_a, "model.safetensors")),
+            load_file(os.path.join(ckpt_b, "model.safetensors")),
             "weights",
         )
         problems += compare_tensors(

@@ -58,11 +58,20 @@ def run_generate(model, tokenizer, texts, samples: int, tokens: int, uniform: bo
     kwargs = {"min_new_tokens": tokens} if uniform else {}
     start = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(**enc, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=tokens,
-                             num_return_sequences=samples, pad_token_id=tokenizer.pad_token_id,
-                             eos_token_id=tokenizer.eos_token_id, **kwargs)
+        out = model.generate(
+            **enc,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=tokens,
+            num_return_sequences=samples,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            **kwargs,
+        )
     elapsed = time.perf_counter() - start
-    completions = out[:, enc["input_ids"].shape[1]:]
+    completions = out[:, enc["input_ids"].shape[1] :]
     useful = 0
     for row in completions.tolist():
         useful += row.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in row else len(row)
@@ -86,7 +95,10 @@ def run_embedded(
 
     caches.ATTEND_BLOCK_ROWS = ATTEND_BLOCK_ROWS if runs else 1 << 62
     engine = EmbeddedEngine(
-        model, tokenizer.eos_token_id, tokenizer.pad_token_id, max_batch=max_batch or len(texts) * samples,
+        model,
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+        max_batch=max_batch or len(texts) * samples,
         kv_cache=kv_cache,
     )
     params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=tokens, seed=1, ignore_eos=uniform)
@@ -136,8 +148,10 @@ def main() -> None:
     model, tokenizer = build_model()
     texts = prompts(args.prompts)
     params = sum(p.numel() for p in model.parameters())
-    print(f"model: Llama {params / 1e6:.2f}M parameters, {args.prompts} prompts x {args.samples} samples, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(
+        f"model: Llama {params / 1e6:.2f}M parameters, {args.prompts} prompts x {args.samples} samples, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
     header = (
         ("generate tok/s", 15),
         ("padded tok/s", 14),

@@ -76,15 +76,21 @@ def main() -> None:
         runs = [measure(args.old, args.new, mode, args.groups, args.seed) for _ in range(args.repeats)]
         results[mode] = {**runs[-1], "pause_s": statistics.median(r["pause_s"] for r in runs)}
     print(f"{args.groups} groups x 8 samples, update after the first token; {args.repeats} repeats")
-    print(f"  {'update_kv':10s} {'pause':>9s} {'spanning':>9s} {'mean |gap|':>11s} {'max |gap|':>10s} {'k3 KL':>10s}"
-          f" {'floor':>9s}")
+    print(
+        f"  {'update_kv':10s} {'pause':>9s} {'spanning':>9s} {'mean |gap|':>11s} {'max |gap|':>10s} {'k3 KL':>10s}"
+        f" {'floor':>9s}"
+    )
     for mode, r in results.items():
-        print(f"  {mode:10s} {r['pause_s']:7.3f} s {r['spanning_samples']:9d} {r['mean_abs_gap']:11.2e} "
-              f"{r['max_abs_gap']:10.2e} {r['k3_kl']:10.2e} {r['floor_max_abs_gap']:9.1e}")
+        print(
+            f"  {mode:10s} {r['pause_s']:7.3f} s {r['spanning_samples']:9d} {r['mean_abs_gap']:11.2e} "
+            f"{r['max_abs_gap']:10.2e} {r['k3_kl']:10.2e} {r['floor_max_abs_gap']:9.1e}"
+        )
     keep, recompute = results["keep"], results["recompute"]
-    print(f"  pause, recompute / keep: {recompute['pause_s'] / max(keep['pause_s'], 1e-9):.2f}x; mean |gap| after "
-          f"the update: keep {keep['mean_abs_gap']:.2e}, recompute {recompute['mean_abs_gap']:.2e} nats "
-          f"(floor, decode against prefill: {recompute['floor_max_abs_gap']:.1e})")
+    print(
+        f"  pause, recompute / keep: {recompute['pause_s'] / max(keep['pause_s'], 1e-9):.2f}x; mean |gap| after "
+        f"the update: keep {keep['mean_abs_gap']:.2e}, recompute {recompute['mean_abs_gap']:.2e} nats "
+        f"(floor, decode against prefill: {recompute['floor_max_abs_gap']:.1e})"
+    )
 
 
 if __name__ == "__main__":

@@ -31,15 +31,25 @@ class Approval(RunInput):
     """Why (kept in the flow run's log)."""
 
 
-def ask_for_approval(run_id: str, round_index: int, model_version: str, champion: str | None,
-                     evaluation: Evaluation, config: EvaluateConfig) -> str:
+def ask_for_approval(
+    run_id: str,
+    round_index: int,
+    model_version: str,
+    champion: str | None,
+    evaluation: Evaluation,
+    config: EvaluateConfig,
+) -> str:
     """Pause until a person answers: 'approved', 'rejected' or 'timed_out'."""
     logger = stage_logger()
     markdown = approval_markdown(model_version, champion, evaluation, config.approval_timeout_s)
-    create_markdown_artifact(markdown=markdown, key=artifact_key(run_id, "round", round_index, "approval"),
-                             description=f"round {round_index}: promote {model_version}?")
-    logger.info("round %d: waiting up to %d s for approval to promote %s", round_index,
-                config.approval_timeout_s, model_version)
+    create_markdown_artifact(
+        markdown=markdown,
+        key=artifact_key(run_id, "round", round_index, "approval"),
+        description=f"round {round_index}: promote {model_version}?",
+    )
+    logger.info(
+        "round %d: waiting up to %d s for approval to promote %s", round_index, config.approval_timeout_s, model_version
+    )
     try:
         answer = pause_flow_run(
             wait_for_input=Approval.with_initial_data(description=markdown, approve=False),
@@ -48,8 +58,9 @@ def ask_for_approval(run_id: str, round_index: int, model_version: str, champion
             key=f"approve-round-{round_index}",
         )
     except FlowPauseTimeout:
-        logger.warning("round %d: no answer within %d s; %s is not promoted", round_index,
-                       config.approval_timeout_s, model_version)
+        logger.warning(
+            "round %d: no answer within %d s; %s is not promoted", round_index, config.approval_timeout_s, model_version
+        )
         return "timed_out"
     decision = "approved" if answer.approve else "rejected"
     logger.info("round %d: %s %s%s", round_index, decision, model_version, f" ({answer.note})" if answer.note else "")

@@ -26,9 +26,13 @@ TRAIN_DTYPE = "float32"  # the trainer always works in float32 (tasks/train.run_
 
 
 @flow(name="rl-evaluate", flow_run_name="evaluate-{model_version}", validate_parameters=True)
-def rl_evaluate(model_version: str, config: RoundConfig | None = None,
-                serving_engine: Literal["embedded", "vllm"] | None = None, serving_dtype: Dtype | None = None,
-                storage: str | None = None) -> VersionEvaluation:
+def rl_evaluate(
+    model_version: str,
+    config: RoundConfig | None = None,
+    serving_engine: Literal["embedded", "vllm"] | None = None,
+    serving_dtype: Dtype | None = None,
+    storage: str | None = None,
+) -> VersionEvaluation:
     """Score a registered model version at a serving engine and precision, and at training precision.
 
     Args:
@@ -43,5 +47,11 @@ def rl_evaluate(model_version: str, config: RoundConfig | None = None,
     overrides = {k: v for k, v in (("serving_engine", serving_engine), ("serving_dtype", serving_dtype)) if v}
     evaluate = EvaluateConfig.model_validate({**rc.evaluate.model_dump(), **overrides})
     with released_engines():  # an engine this evaluation starts does not outlive it
-        return evaluate_version_task(storage=storage, model_version=model_version, config=evaluate, prompts=rc.prompts,
-                                     verify=rc.verify_resolved, train_dtype=TRAIN_DTYPE)
+        return evaluate_version_task(
+            storage=storage,
+            model_version=model_version,
+            config=evaluate,
+            prompts=rc.prompts,
+            verify=rc.verify_resolved,
+            train_dtype=TRAIN_DTYPE,
+        )

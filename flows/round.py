@@ -78,68 +78,139 @@ class _Clock:
 
 
 @flow(name="rl-round", flow_run_name="{run_id}-round-{round_index}", validate_parameters=True)
-def rl_round(config: RoundConfig, storage: str, run_id: str, round_index: int, experiment: str, parent_checkpoint: str,
-             parent_model_version: str, base_model: str, code_version: str, next_round: bool = False,
-             stop_at_accuracy: float | None = None) -> RoundResult:
+def rl_round(
+    config: RoundConfig,
+    storage: str,
+    run_id: str,
+    round_index: int,
+    experiment: str,
+    parent_checkpoint: str,
+    parent_model_version: str,
+    base_model: str,
+    code_version: str,
+    next_round: bool = False,
+    stop_at_accuracy: float | None = None,
+) -> RoundResult:
     """One round. ``next_round``: another round follows (overlap mode starts its rollout here);
     ``stop_at_accuracy``: the campaign stops after this round at that accuracy (so none follows)."""
     clock = _Clock()
-    ctx = open_round(config, storage=storage, run_id=run_id, round_index=round_index, experiment=experiment,
-                     parent_checkpoint=parent_checkpoint, parent_model_version=parent_model_version,
-                     base_model=base_model, code_version=code_version)
+    ctx = open_round(
+        config,
+        storage=storage,
+        run_id=run_id,
+        round_index=round_index,
+        experiment=experiment,
+        parent_checkpoint=parent_checkpoint,
+        parent_model_version=parent_model_version,
+        base_model=base_model,
+        code_version=code_version,
+    )
     stage = Stages(ctx)  # each stage runs once per (run, round, inputs); a resumed round skips the recorded ones
     clock.lap("open")
 
     # rollout + verify: each sample is scored as it finishes, until the trainable batch is full; the previous
     # round's carry-over (samples it stopped or had not verified) is resumed first
     overlap = config.mode == "overlap"
-    collecting = StageProgress("rollout", artifact_key(run_id, "round", round_index, "rollout"),
-                               f"round {round_index}: trainable groups collected")
+    collecting = StageProgress(
+        "rollout",
+        artifact_key(run_id, "round", round_index, "rollout"),
+        f"round {round_index}: trainable groups collected",
+    )
     if overlap and round_index >= 2:  # normally recorded already by the previous round, which ran it
         rollout = overlapped_rollout(stage, config, overlapped_context(ctx), collecting).pending.result()
         if "rollout" in stage.skipped:  # the previous round ran it: that is overlap, not a resume
             stage.skipped.remove("rollout")
     else:
-        rollout = stage.run("rollout", rollout_task, ctx=ctx, prompts=config.prompts, rollout=config.rollout,
-                            verify=config.verify_resolved, filtering=config.filter,
-                            target_groups=config.target_groups, carry_from=carry_source(storage, run_id, round_index),
-                            progress=collecting)
+        rollout = stage.run(
+            "rollout",
+            rollout_task,
+            ctx=ctx,
+            prompts=config.prompts,
+            rollout=config.rollout,
+            verify=config.verify_resolved,
+            filtering=config.filter,
+            target_groups=config.target_groups,
+            carry_from=carry_source(storage, run_id, round_index),
+            progress=collecting,
+        )
     collecting.done()
     clock.lap("rollout")
     # filter + store: advantages and drop decisions, committed as this round's trajectory version together
     # with this round's own carry-over
-    trajectories = stage.run("filter", filter_task, ctx=ctx, staging=rollout.staging, config=config.filter,
-                             target_groups=config.target_groups, rollout_stats=rollout.stats,
-                             carryover=rollout.carryover)
+    trajectories = stage.run(
+        "filter",
+        filter_task,
+        ctx=ctx,
+        staging=rollout.staging,
+        config=config.filter,
+        target_groups=config.target_groups,
+        rollout_stats=rollout.stats,
+        carryover=rollout.carryover,
+    )
     clock.lap("filter")
     upcoming = None
     if overlap and next_round:  # the next round's rollout generates while this round trains
-        upcoming = overlapped_rollout(Stages(next_ctx := next_context(ctx)), config, next_ctx,
-                                 StageProgress("rollout", artifact_key(run_id, "round", round_index + 1, "rollout"),
-                                               f"round {round_index + 1}: trainable groups collected"),
-                                 start=ctx.parent_checkpoint)
+        upcoming = overlapped_rollout(
+            Stages(next_ctx := next_context(ctx)),
+            config,
+            next_ctx,
+            StageProgress(
+                "rollout",
+                artifact_key(run_id, "round", round_index + 1, "rollout"),
+                f"round {round_index + 1}: trainable groups collected",
+            ),
+            start=ctx.parent_checkpoint,
+        )
     try:
-        trained = stage.run("train", train_task, ctx=ctx, trajectory_uri=trajectories.uri, config=config.train,
-                            temperature=config.rollout.temperature, rollout_dtype=config.rollout.dtype)
+        trained = stage.run(
+            "train",
+            train_task,
+            ctx=ctx,
+            trajectory_uri=trajectories.uri,
+            config=config.train,
+            temperature=config.rollout.temperature,
+            rollout_dtype=config.rollout.dtype,
+        )
         if upcoming is not None:
             upcoming.next_policy.committed()
         clock.lap("train")
-        published = stage.run("publish", publish_task, ctx=ctx, config=config.publish_resolved,
-                              checkpoint=trained.checkpoint, trajectory_version=trajectories.version,
-                              trajectory_uri=trajectories.uri,
-                              committed_at=trained.committed_at, engine=config.rollout.engine,
-                              engine_dtype=config.rollout.dtype, max_batch=config.rollout.max_batch,
-                              load_engine=not overlap)
+        published = stage.run(
+            "publish",
+            publish_task,
+            ctx=ctx,
+            config=config.publish_resolved,
+            checkpoint=trained.checkpoint,
+            trajectory_version=trajectories.version,
+            trajectory_uri=trajectories.uri,
+            committed_at=trained.committed_at,
+            engine=config.rollout.engine,
+            engine_dtype=config.rollout.dtype,
+            max_batch=config.rollout.max_batch,
+            load_engine=not overlap,
+        )
         clock.lap("publish")
-        evaluation = stage.run("evaluate", evaluate_task, ctx=ctx, config=config.evaluate, prompts=config.prompts,
-                               verify=config.verify_resolved, checkpoint=trained.checkpoint,
-                               model_version=published.model_version,
-                               engine_role="evaluate" if overlap else "rollout")
+        evaluation = stage.run(
+            "evaluate",
+            evaluate_task,
+            ctx=ctx,
+            config=config.evaluate,
+            prompts=config.prompts,
+            verify=config.verify_resolved,
+            checkpoint=trained.checkpoint,
+            model_version=published.model_version,
+            engine_role="evaluate" if overlap else "rollout",
+        )
         if config.evaluate.approval == "required" and evaluation.gate_passed:
             # one stage: a resumed round whose decision is recorded does not ask again
-            decided = stage.run("promote", approve_and_promote, ctx=ctx, config=config.evaluate,
-                                model_version=published.model_version, evaluation=evaluation,
-                                champion_name=config.publish_resolved.registered_name)
+            decided = stage.run(
+                "promote",
+                approve_and_promote,
+                ctx=ctx,
+                config=config.evaluate,
+                model_version=published.model_version,
+                evaluation=evaluation,
+                champion_name=config.publish_resolved.registered_name,
+            )
             evaluation = evaluation.decided(decided)
     except BaseException:
         if upcoming is not None:  # a rollout waiting for weights that will not come must not wait forever
@@ -157,28 +228,71 @@ def rl_round(config: RoundConfig, storage: str, run_id: str, round_index: int, e
             upcoming.pending.result()  # recorded under the next round
         clock.lap("next_rollout_wait")
 
-    stats = {**rollout.stats, **trajectories.stats, **trained.stats, **published.stats, **evaluation.metrics(),
-             **clock.total(), "resume/stages_skipped": len(stage.skipped)}
-    stage.run("record", record_round_task, ctx=ctx, stats=stats, model_version=published.model_version,
-              trajectory_version=trajectories.version)
-    return RoundResult(round=round_index, checkpoint=trained.checkpoint, model_version=published.model_version,
-                       trajectory_version=trajectories.version, stats=stats, evaluation=evaluation,
-                       resumed_stages=stage.skipped)
+    stats = {
+        **rollout.stats,
+        **trajectories.stats,
+        **trained.stats,
+        **published.stats,
+        **evaluation.metrics(),
+        **clock.total(),
+        "resume/stages_skipped": len(stage.skipped),
+    }
+    stage.run(
+        "record",
+        record_round_task,
+        ctx=ctx,
+        stats=stats,
+        model_version=published.model_version,
+        trajectory_version=trajectories.version,
+    )
+    return RoundResult(
+        round=round_index,
+        checkpoint=trained.checkpoint,
+        model_version=published.model_version,
+        trajectory_version=trajectories.version,
+        stats=stats,
+        evaluation=evaluation,
+        resumed_stages=stage.skipped,
+    )
 
 
-def open_round(config: RoundConfig, *, storage: str, run_id: str, round_index: int, experiment: str,
-               parent_checkpoint: str, parent_model_version: str, base_model: str, code_version: str,
-               params: dict | None = None) -> RoundContext:
+def open_round(
+    config: RoundConfig,
+    *,
+    storage: str,
+    run_id: str,
+    round_index: int,
+    experiment: str,
+    parent_checkpoint: str,
+    parent_model_version: str,
+    base_model: str,
+    code_version: str,
+    params: dict | None = None,
+) -> RoundContext:
     """Open round ``round_index``'s MLflow run (``params`` logged beside the config hash) and return the
     context its stages run under. The parent is round ``round_index - 1``'s policy; round 0, the base
     registered before any training, starts from itself (policy version 0)."""
-    runs = open_round_task(storage=storage, experiment=experiment, run_id=run_id, round_index=round_index,
-                           params={"config_hash": config.config_hash(), **(params or {})})
+    runs = open_round_task(
+        storage=storage,
+        experiment=experiment,
+        run_id=run_id,
+        round_index=round_index,
+        params={"config_hash": config.config_hash(), **(params or {})},
+    )
     return RoundContext(
-        storage=storage, run_id=run_id, round=round_index, experiment=experiment, parent_checkpoint=parent_checkpoint,
-        parent_policy_version=max(round_index - 1, 0), parent_model_version=parent_model_version,
-        base_model=base_model, config_hash=config.config_hash(), code_version=code_version,
-        flow_run_id=str(flow_run.id or "none"), mlflow_run_id=runs.round_run, seed=config.seed,
+        storage=storage,
+        run_id=run_id,
+        round=round_index,
+        experiment=experiment,
+        parent_checkpoint=parent_checkpoint,
+        parent_policy_version=max(round_index - 1, 0),
+        parent_model_version=parent_model_version,
+        base_model=base_model,
+        config_hash=config.config_hash(),
+        code_version=code_version,
+        flow_run_id=str(flow_run.id or "none"),
+        mlflow_run_id=runs.round_run,
+        seed=config.seed,
     )
 
 
@@ -220,27 +334,38 @@ def next_context(ctx: RoundContext) -> RoundContext:
     """The next round's rollout context, as that round will build it, from this round's."""
     checkpoint = StorageRoot.of(ctx.storage).checkpoint(ctx.run_id, ctx.round)  # where train commits
     return overlapped_context(ctx).model_copy(
-        update={"round": ctx.round + 1, "parent_checkpoint": checkpoint, "parent_policy_version": ctx.round,
-                "mlflow_run_id": "(opened when its round starts)"}
+        update={
+            "round": ctx.round + 1,
+            "parent_checkpoint": checkpoint,
+            "parent_policy_version": ctx.round,
+            "mlflow_run_id": "(opened when its round starts)",
+        }
     )
 
 
-def overlapped_rollout(stage: Stages, config: RoundConfig, ctx: RoundContext, progress: StageProgress,
-                  start: str | None = None) -> _Upcoming:
+def overlapped_rollout(
+    stage: Stages, config: RoundConfig, ctx: RoundContext, progress: StageProgress, start: str | None = None
+) -> _Upcoming:
     """Round ``ctx.round``'s overlapped rollout, submitted: it starts from ``start``, the parent's parent
     (the newest checkpoint committed while the parent trains), and switches to the parent after
     ``config.update_after_samples`` finished samples. ``start`` None: the parent is committed already,
     and its parent is read from its lineage (a resumed campaign runs the rollout with the same start and
     switch point, and so to the same rows)."""
-    next_policy = NextPolicy(ctx.storage, ctx.parent_checkpoint, ctx.parent_policy_version,
-                             config.update_after_samples)
+    next_policy = NextPolicy(ctx.storage, ctx.parent_checkpoint, ctx.parent_policy_version, config.update_after_samples)
     if start is None:
         next_policy.committed()
         start = read_lineage(StorageRoot.of(ctx.storage), ctx.parent_checkpoint)["parent_checkpoint"]
     pending = stage.submit(
-        "rollout", rollout_task, ctx=ctx, prompts=config.prompts, rollout=config.rollout,
-        verify=config.verify_resolved, filtering=config.filter, target_groups=config.target_groups,
-        carry_from=carry_source(ctx.storage, ctx.run_id, ctx.round), progress=progress,
+        "rollout",
+        rollout_task,
+        ctx=ctx,
+        prompts=config.prompts,
+        rollout=config.rollout,
+        verify=config.verify_resolved,
+        filtering=config.filter,
+        target_groups=config.target_groups,
+        carry_from=carry_source(ctx.storage, ctx.run_id, ctx.round),
+        progress=progress,
         overlap=Overlapped(start, ctx.parent_policy_version - 1, next_policy),
     )
     return _Upcoming(pending, next_policy)

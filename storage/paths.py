@@ -133,8 +133,11 @@ class StorageRoot:
         """
         return {
             "trajectories": [self.join("runs", "*", "rounds", "*", "trajectories", "*"), self.join("derived", "*")],
-            "checkpoint": [self.join("runs", "*", "rounds", "*", "checkpoint"), self.join("base", "*"),
-                           self.join("replays", "*", "checkpoint")],
+            "checkpoint": [
+                self.join("runs", "*", "rounds", "*", "checkpoint"),
+                self.join("base", "*"),
+                self.join("replays", "*", "checkpoint"),
+            ],
             "staging": [self.join("runs", "*", "rounds", "*", "staging")],
         }
 

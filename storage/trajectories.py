@@ -171,6 +171,7 @@ def rows_to_table(rows: Sequence[TrajectoryRow | Mapping[str, Any]]):
         columns.append(pa.array(values, type=column.type))
     return pa.Table.from_arrays(columns, schema=schema)
 
+
 def rows_of(table) -> list[TrajectoryRow]:
     """The rows of a whole table (any schema version of this major: absent columns are null)."""
     table = conform(table)

@@ -47,9 +47,7 @@ def approval_markdown(model_version: str, champion: str | None, evaluation: Eval
     )
 
 
-def run_decide_promotion(
-    *, ctx: RoundContext, config: EvaluateConfig, model_version: str, decision: str
-) -> Promotion:
+def run_decide_promotion(*, ctx: RoundContext, config: EvaluateConfig, model_version: str, decision: str) -> Promotion:
     """Apply a person's decision ('approved', 'rejected' or 'timed_out') to the champion alias and
     record it on the model version (``eval.approval``, ``eval.promoted``)."""
     if decision not in ("approved", "rejected", "timed_out"):

@@ -62,9 +62,7 @@ def trajectory_origin(manifest_body: dict[str, Any] | None) -> str:
     return f"collected by round {manifest_body.get('round', '?')} of campaign `{manifest_body.get('run_id', '?')}`"
 
 
-def version_description(
-    ref: str, tags: dict[str, str], trajectory: str | None, flow_run_url: str | None
-) -> str:
+def version_description(ref: str, tags: dict[str, str], trajectory: str | None, flow_run_url: str | None) -> str:
     """The markdown description of model version ``ref`` ('NAME/VERSION') from its tags.
 
     ``trajectory``: how its trajectory version came to be (``trajectory_origin``); ``flow_run_url``:

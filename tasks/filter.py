@@ -226,7 +226,6 @@ def with_decisions(table, rows: list[dict]):
     return table
 
 
-
 def run_filter(
     *,
     ctx: RoundContext,

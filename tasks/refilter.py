@@ -106,6 +106,7 @@ def commit_derived(root: StorageRoot, parent: Manifest, rows: pa.Table, derivati
 
 # -- re-verification ---------------------------------------------------------------------------------
 
+
 def reverified_rows(
     rows: list[dict],
     chosen: set[tuple[str, int]],

@@ -88,78 +88,133 @@ def report_sections(s: dict) -> list[tuple[str, list[tuple[str, str]]]]:
     """(question, [(measure, value), ...]) in the order the report answers them: one short figure per
     row, so the table fits a page however many figures a question has."""
     return [
-        ("batch readiness", [
-            ("time to a trainable batch", _fmt(s, "rollout/time_to_trainable_batch_s", ".2f", " s")),
-            ("straggler wait (batch ready to training start)", _fmt(s, "rollout/straggler_wait_s", ".2f", " s")),
-            ("groups complete / trainable target",
-             f"{_fmt(s, 'rollout/groups', '.0f')} / {_fmt(s, 'rollout/target_groups', '.0f')}"),
-        ]),
-        ("long tail", [
-            *_tail(s, "generation latency", "rollout/gen_latency"),
-            *_tail(s, "environment latency", "verify/env_latency"),
-            *_tail(s, "wait for a free verifier (verify.workers)", "verify/queue_wait"),
-            ("slow environment (stop point timing-dependent)", _fmt(s, "rollout/slow_environment", ".0f")),
-        ]),
-        ("carry-over", [
-            ("groups carried out", _fmt(s, "rollout/carried_out_groups", ".0f")),
-            ("partial samples carried out (tokens)",
-             f"{_fmt(s, 'rollout/carried_out_partial_samples', '.0f')} "
-             f"({_fmt(s, 'rollout/carried_out_tokens', '.0f')})"),
-            ("samples carried out awaiting the environment",
-             _fmt(s, "rollout/carried_out_unverified_samples", ".0f")),
-            ("groups carried in, finished here",
-             f"{_fmt(s, 'rollout/carried_in_groups', '.0f')}, {_fmt(s, 'rollout/carried_in_finished_groups', '.0f')}"),
-            ("samples spanning policy versions (kept)",
-             f"{_fmt(s, 'rollout/samples_spanning_versions', '.0f')} "
-             f"({_fmt(s, 'filter/kept_rows_spanning_versions', '.0f')})"),
-        ]),
+        (
+            "batch readiness",
+            [
+                ("time to a trainable batch", _fmt(s, "rollout/time_to_trainable_batch_s", ".2f", " s")),
+                ("straggler wait (batch ready to training start)", _fmt(s, "rollout/straggler_wait_s", ".2f", " s")),
+                (
+                    "groups complete / trainable target",
+                    f"{_fmt(s, 'rollout/groups', '.0f')} / {_fmt(s, 'rollout/target_groups', '.0f')}",
+                ),
+            ],
+        ),
+        (
+            "long tail",
+            [
+                *_tail(s, "generation latency", "rollout/gen_latency"),
+                *_tail(s, "environment latency", "verify/env_latency"),
+                *_tail(s, "wait for a free verifier (verify.workers)", "verify/queue_wait"),
+                ("slow environment (stop point timing-dependent)", _fmt(s, "rollout/slow_environment", ".0f")),
+            ],
+        ),
+        (
+            "carry-over",
+            [
+                ("groups carried out", _fmt(s, "rollout/carried_out_groups", ".0f")),
+                (
+                    "partial samples carried out (tokens)",
+                    f"{_fmt(s, 'rollout/carried_out_partial_samples', '.0f')} "
+                    f"({_fmt(s, 'rollout/carried_out_tokens', '.0f')})",
+                ),
+                (
+                    "samples carried out awaiting the environment",
+                    _fmt(s, "rollout/carried_out_unverified_samples", ".0f"),
+                ),
+                (
+                    "groups carried in, finished here",
+                    f"{_fmt(s, 'rollout/carried_in_groups', '.0f')}, "
+                    f"{_fmt(s, 'rollout/carried_in_finished_groups', '.0f')}",
+                ),
+                (
+                    "samples spanning policy versions (kept)",
+                    f"{_fmt(s, 'rollout/samples_spanning_versions', '.0f')} "
+                    f"({_fmt(s, 'filter/kept_rows_spanning_versions', '.0f')})",
+                ),
+            ],
+        ),
         ("length bias", _length_bias(s)),
-        ("policy freshness", [
-            ("token lag in policy versions mean / p99 / max",
-             f"{_fmt(s, 'train/lag_versions_mean', '.2f')} / {_fmt(s, 'train/lag_versions_p99', '.0f')} / "
-             f"{_fmt(s, 'train/lag_versions_max', '.0f')}"),
-            ("trained samples spanning versions", _fmt(s, "train/samples_spanning_versions_share", ".1%")),
-            ("behaviour vs trained policy KL (k3)", _fmt(s, "train/behaviour_kl_k3", ".2e")),
-            ("behaviour weight mean / p99",
-             f"{_fmt(s, 'train/behaviour_weight_mean', '.3f')} / {_fmt(s, 'train/behaviour_weight_p99', '.3f')}"),
-            ("behaviour weight over tis_cap", _fmt(s, "train/behaviour_weight_over_cap", ".2%")),
-            ("staleness mean / max (optimizer steps)",
-             f"{_fmt(s, 'train/staleness_mean_steps', '.1f')} / {_fmt(s, 'train/staleness_max_steps', '.0f')}"),
-            ("ratio mean", _fmt(s, "train/ratio_mean", ".4f")),
-            ("clip fraction", _fmt(s, "train/clip_fraction", ".3f")),
-        ]),
-        ("numeric alignment", [
-            ("engine vs trainer logprobs, mean / max abs delta",
-             f"{_fmt(s, 'train/mismatch_mean_abs', '.2e')} / {_fmt(s, 'train/mismatch_max_abs', '.2e')}"),
-            ("KL estimate", _fmt(s, "train/mismatch_kl", ".2e")),
-            ("TIS weight mean", _fmt(s, "train/tis_mean", ".4f")),
-        ]),
-        ("environment reliability", [
-            ("success / model failure / infra failure / unknown",
-             f"{_fmt(s, 'verify/success', '.0f')} / {_fmt(s, 'verify/model_failure', '.0f')} / "
-             f"{_fmt(s, 'verify/infra_failure', '.0f')} / {_fmt(s, 'verify/unknown', '.0f')}"),
-            ("infra failure rate", _fmt(s, "verify/infra_failure_rate", ".2%")),
-            ("retries (recovered)",
-             f"{_fmt(s, 'verify/infra_retries', '.0f')} ({_fmt(s, 'verify/infra_recovered', '.0f')})"),
-            ("workers replaced, verifier timeouts",
-             f"{_fmt(s, 'verify/workers_replaced', '.0f')}, {_fmt(s, 'verify/verifier_timeouts', '.0f')}"),
-        ]),
-        ("weight publication", [
-            ("publish latency", _fmt(s, "publish/latency_s", ".3f", " s")),
-            ("engine pause", _fmt(s, "publish/engine_pause_s", ".4f", " s")),
-            ("overlap: parent loaded after samples (applied)",
-             f"{_fmt(s, 'rollout/weight_update_after_samples', '.0f')} "
-             f"({_fmt(s, 'rollout/weight_update_applied', '.0f')})"),
-            ("overlap: engine wait for the trainer / pause",
-             f"{_fmt(s, 'rollout/weight_update_wait_s', '.3f', ' s')} / "
-             f"{_fmt(s, 'rollout/weight_update_pause_s', '.4f', ' s')}"),
-        ]),
-        ("evaluation", [
-            (f"accuracy at serving precision ({s.get('eval/engine', '?')}, {s.get('eval/dtype', '?')})",
-             _fmt(s, "eval/accuracy", ".1%")),
-            ("accuracy at training precision", _fmt(s, "eval/accuracy_train_precision", ".1%")),
-            ("gap", _fmt(s, "eval/serving_gap", "+.1%")),
-        ]),
+        (
+            "policy freshness",
+            [
+                (
+                    "token lag in policy versions mean / p99 / max",
+                    f"{_fmt(s, 'train/lag_versions_mean', '.2f')} / {_fmt(s, 'train/lag_versions_p99', '.0f')} / "
+                    f"{_fmt(s, 'train/lag_versions_max', '.0f')}",
+                ),
+                ("trained samples spanning versions", _fmt(s, "train/samples_spanning_versions_share", ".1%")),
+                ("behaviour vs trained policy KL (k3)", _fmt(s, "train/behaviour_kl_k3", ".2e")),
+                (
+                    "behaviour weight mean / p99",
+                    f"{_fmt(s, 'train/behaviour_weight_mean', '.3f')} / {_fmt(s, 'train/behaviour_weight_p99', '.3f')}",
+                ),
+                ("behaviour weight over tis_cap", _fmt(s, "train/behaviour_weight_over_cap", ".2%")),
+                (
+                    "staleness mean / max (optimizer steps)",
+                    f"{_fmt(s, 'train/staleness_mean_steps', '.1f')} / {_fmt(s, 'train/staleness_max_steps', '.0f')}",
+                ),
+                ("ratio mean", _fmt(s, "train/ratio_mean", ".4f")),
+                ("clip fraction", _fmt(s, "train/clip_fraction", ".3f")),
+            ],
+        ),
+        (
+            "numeric alignment",
+            [
+                (
+                    "engine vs trainer logprobs, mean / max abs delta",
+                    f"{_fmt(s, 'train/mismatch_mean_abs', '.2e')} / {_fmt(s, 'train/mismatch_max_abs', '.2e')}",
+                ),
+                ("KL estimate", _fmt(s, "train/mismatch_kl", ".2e")),
+                ("TIS weight mean", _fmt(s, "train/tis_mean", ".4f")),
+            ],
+        ),
+        (
+            "environment reliability",
+            [
+                (
+                    "success / model failure / infra failure / unknown",
+                    f"{_fmt(s, 'verify/success', '.0f')} / {_fmt(s, 'verify/model_failure', '.0f')} / "
+                    f"{_fmt(s, 'verify/infra_failure', '.0f')} / {_fmt(s, 'verify/unknown', '.0f')}",
+                ),
+                ("infra failure rate", _fmt(s, "verify/infra_failure_rate", ".2%")),
+                (
+                    "retries (recovered)",
+                    f"{_fmt(s, 'verify/infra_retries', '.0f')} ({_fmt(s, 'verify/infra_recovered', '.0f')})",
+                ),
+                (
+                    "workers replaced, verifier timeouts",
+                    f"{_fmt(s, 'verify/workers_replaced', '.0f')}, {_fmt(s, 'verify/verifier_timeouts', '.0f')}",
+                ),
+            ],
+        ),
+        (
+            "weight publication",
+            [
+                ("publish latency", _fmt(s, "publish/latency_s", ".3f", " s")),
+                ("engine pause", _fmt(s, "publish/engine_pause_s", ".4f", " s")),
+                (
+                    "overlap: parent loaded after samples (applied)",
+                    f"{_fmt(s, 'rollout/weight_update_after_samples', '.0f')} "
+                    f"({_fmt(s, 'rollout/weight_update_applied', '.0f')})",
+                ),
+                (
+                    "overlap: engine wait for the trainer / pause",
+                    f"{_fmt(s, 'rollout/weight_update_wait_s', '.3f', ' s')} / "
+                    f"{_fmt(s, 'rollout/weight_update_pause_s', '.4f', ' s')}",
+                ),
+            ],
+        ),
+        (
+            "evaluation",
+            [
+                (
+                    f"accuracy at serving precision ({s.get('eval/engine', '?')}, {s.get('eval/dtype', '?')})",
+                    _fmt(s, "eval/accuracy", ".1%"),
+                ),
+                ("accuracy at training precision", _fmt(s, "eval/accuracy_train_precision", ".1%")),
+                ("gap", _fmt(s, "eval/serving_gap", "+.1%")),
+            ],
+        ),
     ]
 
 

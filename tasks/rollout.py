@@ -174,9 +174,7 @@ def generate_and_verify(
             if next_policy is None:
                 generating = engine.generate(requests, pool.should_stop)
             else:  # overlap: new weights mid-way; a cancelled hand-over stops the engine at once
-                generating = engine.generate(
-                    requests, lambda: next_policy.cancelled or pool.should_stop(), next_policy
-                )
+                generating = engine.generate(requests, lambda: next_policy.cancelled or pool.should_stop(), next_policy)
             for sample in generating:
                 pool.on_sample(sample)
                 seen += 1

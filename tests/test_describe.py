@@ -32,8 +32,10 @@ TAGS = {
         # regrouped as well
         ({"parent": "ff00", "derivation": {"where": "true", "regroup": True}}, "rows where `true`, regrouped"),
         # re-verified rows
-        ({"parent": "ff00", "derivation": {"reverify": {"rows": 4, "where": "outcome = 'infra_failure'"}}},
-         "4 rows verified again where `outcome = 'infra_failure'`"),
+        (
+            {"parent": "ff00", "derivation": {"reverify": {"rows": 4, "where": "outcome = 'infra_failure'"}}},
+            "4 rows verified again where `outcome = 'infra_failure'`",
+        ),
         # a version the storage root does not hold
         (None, "not found in the storage root"),
     ],
@@ -59,7 +61,9 @@ def test_prefect_ui_url(monkeypatch, env, expected):
 
 
 def test_description_says_round_parent_trajectories_evaluation_and_flow_run():
-    text = version_description("policy/4", TAGS, "collected by round 3 of campaign `nightly`", "http://ui/runs/flow-run/0b5e")
+    text = version_description(
+        "policy/4", TAGS, "collected by round 3 of campaign `nightly`", "http://ui/runs/flow-run/0b5e"
+    )
     assert "round 3 of campaign `nightly`" in text
     assert "[policy/3](#/models/policy/versions/3)" in text  # the parent as a link to its page
     assert "`ab12cd34ef56`, collected by round 3" in text
@@ -95,16 +99,33 @@ def test_an_evaluated_round_version_carries_its_description(tmp_path, tiny_polic
     storage = str(tmp_path / "data")
     tracker = Tracker.connect(settings(), StorageRoot.of(storage))
     run = tracker.ensure_run(tracker.experiment_id("describe"), "describe", {"rlrounds.test": "describe"})
-    ctx = RoundContext(storage=storage, run_id="desc", round=1, experiment="describe", parent_checkpoint="unused",
-                       parent_policy_version=0, parent_model_version="desc-policy/7", base_model="tiny",
-                       config_hash="h", code_version="test", flow_run_id="1234-abcd", mlflow_run_id=run, seed=0)
+    ctx = RoundContext(
+        storage=storage,
+        run_id="desc",
+        round=1,
+        experiment="describe",
+        parent_checkpoint="unused",
+        parent_policy_version=0,
+        parent_model_version="desc-policy/7",
+        base_model="tiny",
+        config_hash="h",
+        code_version="test",
+        flow_run_id="1234-abcd",
+        mlflow_run_id=run,
+        seed=0,
+    )
     tags = lineage_tags(ctx, trajectory_version="0123456789ab", line="addition")
     version = tracker.register("desc-policy", tiny_policy_dir, run, tags)
     drop_serving_engines()
     try:
-        stats = run_evaluate(ctx=ctx, config=EvaluateConfig(), prompts=PromptsConfig(),
-                             verify=VerifyConfig(verifier="addition"), checkpoint=tiny_policy_dir,
-                             model_version=f"desc-policy/{version}").metrics()
+        stats = run_evaluate(
+            ctx=ctx,
+            config=EvaluateConfig(),
+            prompts=PromptsConfig(),
+            verify=VerifyConfig(verifier="addition"),
+            checkpoint=tiny_policy_dir,
+            model_version=f"desc-policy/{version}",
+        ).metrics()
     finally:
         drop_serving_engines()
     db = f"sqlite:///{storage}/mlflow.db"

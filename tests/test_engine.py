@@ -333,8 +333,14 @@ def test_slot_cache_serves_a_qwen2_model_as_transformers_does():
     tok = build_char_tokenizer()
     torch.manual_seed(3)
     config = Qwen2Config(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, pad_token_id=tok.pad_token_id,
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=tok.pad_token_id,
     )
     model = Qwen2ForCausalLM(config).eval()
     with torch.no_grad():

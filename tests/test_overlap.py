@@ -40,8 +40,9 @@ def two_versions(tiny_policy_dir, tmp_path_factory):
 def _generate(two_versions, update_kv: str, step: int = 4):
     older, newer = two_versions
     model, tok = load_policy(older)
-    engine = EmbeddedEngine(model, tok.eos_token_id, tok.pad_token_id, max_batch=8, policy_version=1,
-                            update_kv=update_kv)
+    engine = EmbeddedEngine(
+        model, tok.eos_token_id, tok.pad_token_id, max_batch=8, policy_version=1, update_kv=update_kv
+    )
     update = UpdateAtStep(newer, 2, step)
     params = SamplingParams(temperature=1.0, max_tokens=12, seed=3)
     groups = [GroupRequest(f"g{i}", tuple(tok(p)["input_ids"]), 2, params) for i, p in enumerate(PROMPTS)]
@@ -202,8 +203,10 @@ def _rows(storage, k):
     from storage.trajectories import committed_round_version, read_table
 
     manifest = committed_round_version(StorageRoot.of(storage), "overlap", k)
-    return [{c: v for c, v in r.items() if c not in TIMING_COLUMNS} for r in read_table(StorageRoot.of(storage),
-                                                                                       manifest).to_pylist()]
+    return [
+        {c: v for c, v in r.items() if c not in TIMING_COLUMNS}
+        for r in read_table(StorageRoot.of(storage), manifest).to_pylist()
+    ]
 
 
 def _task_runs(flow_run_name: str) -> dict[str, list[tuple]]:

@@ -36,8 +36,9 @@ def _free_port() -> int:
 
 
 def _prefect(env: dict, *args: str, timeout: float = 300) -> str:
-    done = subprocess.run([sys.executable, "-m", "prefect", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    done = subprocess.run(
+        [sys.executable, "-m", "prefect", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
     assert done.returncode == 0, f"prefect {' '.join(args)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return done.stdout
 
@@ -77,9 +78,13 @@ def server(tmp_path_factory, seed_builtin_base):
     logs = open(home / "server.log", "w")
     started = []
     try:
-        server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                                   "--port", str(port)], env=env, stdout=logs, stderr=subprocess.STDOUT,
-                                  start_new_session=True)
+        server = subprocess.Popen(
+            [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+            env=env,
+            stdout=logs,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         started.append(server)
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
@@ -95,16 +100,27 @@ def server(tmp_path_factory, seed_builtin_base):
         worker_log = open(home / "worker.log", "a")
 
         def start_worker() -> subprocess.Popen:
-            worker = subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", "rlrounds"],
-                                      cwd=REPO, env=env, stdout=worker_log, stderr=subprocess.STDOUT,
-                                      start_new_session=True)  # its flow runs share its process group
+            worker = subprocess.Popen(
+                [sys.executable, "-m", "prefect", "worker", "start", "--pool", "rlrounds"],
+                cwd=REPO,
+                env=env,
+                stdout=worker_log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # its flow runs share its process group
             started.append(worker)
             return worker
 
         start_worker()
         with temporary_settings({PREFECT_API_URL: api}):
-            yield {"api": api, "storage": storage, "env": env, "home": home, "start_worker": start_worker,
-                   "processes": started}
+            yield {
+                "api": api,
+                "storage": storage,
+                "env": env,
+                "home": home,
+                "start_worker": start_worker,
+                "processes": started,
+            }
     finally:
         for process in reversed(started):
             _stop(process)
@@ -145,8 +161,9 @@ def _subflow_ids(client, flow_run_id) -> set[str]:
 def _artifacts(client, flow_run_ids: set[str]) -> list:
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
-    return client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(
-        any_=list(flow_run_ids))))
+    return client.read_artifacts(
+        artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=list(flow_run_ids)))
+    )
 
 
 def _logs_containing(client, flow_run_ids: set[str], wanted: list[str], timeout: float = LOG_WAIT_S) -> str:
@@ -163,8 +180,9 @@ def _logs_containing(client, flow_run_ids: set[str], wanted: list[str], timeout:
     while True:
         messages, page = [], 200
         while True:
-            found = client.read_logs(log_filter=log_filter, limit=page, offset=len(messages),
-                                     sort=LogSort.TIMESTAMP_ASC)
+            found = client.read_logs(
+                log_filter=log_filter, limit=page, offset=len(messages), sort=LogSort.TIMESTAMP_ASC
+            )
             messages += [log.message for log in found]
             if len(found) < page:
                 break
@@ -232,17 +250,22 @@ def test_round_from_the_champion_then_evaluate_refilter_and_replay(server, campa
     assert made.tags["prefect_flow_run_id"] in runs
     _run("rl-evaluate/evaluate", {"model_version": f"{MODEL}/{made.version}", "serving_dtype": "float32"})
     assert "eval.embedded.float32.accuracy" in registry.get_model_version(MODEL, made.version).tags
-    refiltered = _run("rl-refilter/refilter", {"request": {"version": made.tags["trajectory_version"],
-                                                           "where": "reward > 0"}})
+    refiltered = _run(
+        "rl-refilter/refilter", {"request": {"version": made.tags["trajectory_version"], "where": "reward > 0"}}
+    )
     del refiltered
     from storage.paths import StorageRoot
     from storage.trajectories import list_manifests
 
     (derived,) = [m for m in list_manifests(StorageRoot.of(server["storage"])) if m.parent]
-    replay = _run("rl-replay/replay", {"request": {"trajectories": derived.version,
-                                                   "from_model": f"{MODEL}/{champion.version}"}})
-    (replayed,) = [v for v in registry.search_model_versions(f"name = '{MODEL}'")
-                   if v.tags.get("prefect_flow_run_id") == str(replay.id)]
+    replay = _run(
+        "rl-replay/replay", {"request": {"trajectories": derived.version, "from_model": f"{MODEL}/{champion.version}"}}
+    )
+    (replayed,) = [
+        v
+        for v in registry.search_model_versions(f"name = '{MODEL}'")
+        if v.tags.get("prefect_flow_run_id") == str(replay.id)
+    ]
     assert replayed.tags["trajectory_version"] == derived.version
     assert f"derived from `{made.tags['trajectory_version']}`" in replayed.description
 
@@ -274,10 +297,16 @@ def test_approval_moves_the_alias_only_when_approved(server, campaign_run, answe
     from prefect.deployments import run_deployment
 
     alias = f"reviewed-{answer}"
-    evaluate = {"approval": "required", "champion_alias": alias,
-                "approval_timeout_s": 600 if answer == "approve" else 5}
-    flow_run = run_deployment("rl-round-from/round", timeout=0, parameters={
-        "start": f"{MODEL}/1", "run_id": f"srv-{answer}", "config": {**ROUND, "evaluate": evaluate}})
+    evaluate = {
+        "approval": "required",
+        "champion_alias": alias,
+        "approval_timeout_s": 600 if answer == "approve" else 5,
+    }
+    flow_run = run_deployment(
+        "rl-round-from/round",
+        timeout=0,
+        parameters={"start": f"{MODEL}/1", "run_id": f"srv-{answer}", "config": {**ROUND, "evaluate": evaluate}},
+    )
     with _client() as client:
         if answer == "approve":
             paused = _paused_round(client, flow_run.id, time.monotonic() + RUN_TIMEOUT_S)
@@ -327,14 +356,17 @@ def test_a_killed_worker_and_a_rerun_with_the_same_run_id_continue_the_campaign(
         killed = client.read_flow_run(first.id)
         if not killed.state.is_final():
             client.set_flow_run_state(first.id, Crashed(message="worker killed"), force=True)
-        assert client.read_flow_run(first.id).state.type in (StateType.CRASHED, StateType.FAILED,
-                                                              StateType.CANCELLED)
+        assert client.read_flow_run(first.id).state.type in (StateType.CRASHED, StateType.FAILED, StateType.CANCELLED)
     server["start_worker"]()
     second = _run("rl-campaign/campaign", parameters)
     assert second.id != first.id
-    versions = [v for v in _registry(server["storage"]).search_model_versions(f"name = '{MODEL}'")
-                if v.tags["run_id"] == "srv-kill"]
+    versions = [
+        v
+        for v in _registry(server["storage"]).search_model_versions(f"name = '{MODEL}'")
+        if v.tags["run_id"] == "srv-kill"
+    ]
     assert sorted(v.tags["round"] for v in versions) == ["0", "1", "2"]  # none registered twice
-    rounds = sorted(m.body["round"] for m in list_manifests(root) if m.body.get("run_id") == "srv-kill"
-                    and not m.parent)
+    rounds = sorted(
+        m.body["round"] for m in list_manifests(root) if m.body.get("run_id") == "srv-kill" and not m.parent
+    )
     assert rounds == [1, 2]  # one committed trajectory version per round

@@ -71,8 +71,12 @@ def test_every_form_field_has_help_and_every_optional_field_a_default():
         for where, prop in _walk(schema):
             name = where.split(".", 1)[1]
             required = schema["required"] if where.startswith("flow.") else []
-            assert "default" in prop or name in required or "$ref" in prop or "allOf" in prop or where.startswith(
-                ("ReplayRequest", "RefilterRequest", "ReverifyRequest")
+            assert (
+                "default" in prop
+                or name in required
+                or "$ref" in prop
+                or "allOf" in prop
+                or where.startswith(("ReplayRequest", "RefilterRequest", "ReverifyRequest"))
             ), f"{deployment['name']}: {where} has no default"
 
 

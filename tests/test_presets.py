@@ -70,9 +70,18 @@ def test_the_collection_benchmark_rejects_a_missing_config_before_it_starts(tmp_
 
     missing = tmp_path / "nowhere.yaml"
     done = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "batch_collection.py"), "--config", str(missing),
-         "--storage", str(tmp_path / "store")],
-        capture_output=True, text=True, timeout=120, cwd=ROOT,
+        [
+            sys.executable,
+            os.path.join(ROOT, "benchmarks", "batch_collection.py"),
+            "--config",
+            str(missing),
+            "--storage",
+            str(tmp_path / "store"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
     )
     assert done.returncode == 2, done.stderr
     assert f"config file {missing} does not exist" in done.stderr

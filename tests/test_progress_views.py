@@ -33,8 +33,17 @@ def test_health_report_cells_are_short_and_every_question_is_answered():
     assert max(map(len, measures)) <= 55, max(measures, key=len)  # the table fits a page's width
     assert max(map(len, values)) <= 24, max(values, key=len)
     questions = {row.strip("|").split("|")[0].strip() for row in rows} - {""}
-    assert {"batch readiness", "long tail", "carry-over", "length bias", "policy freshness", "numeric alignment",
-            "environment reliability", "weight publication", "evaluation"} <= questions
+    assert {
+        "batch readiness",
+        "long tail",
+        "carry-over",
+        "length bias",
+        "policy freshness",
+        "numeric alignment",
+        "environment reliability",
+        "weight publication",
+        "evaluation",
+    } <= questions
     assert "| batch readiness | time to a trainable batch | 1.50 s |" in report
     assert "| | accuracy at training precision | 52.0% |" in report.replace("|  |", "| |")
     assert "| rollout_s | 2.00 |" in report
@@ -48,10 +57,22 @@ def test_rounds_table_has_one_row_per_round_with_blank_unknowns():
         ]
     )
     assert rows == [
-        {"round": 0, "model version": "p/1", "held-out accuracy": "40.0%", "mean reward": "", "kept groups": "",
-         "seconds": ""},
-        {"round": 1, "model version": "p/2", "held-out accuracy": "50.0%", "mean reward": "0.610", "kept groups": "32",
-         "seconds": "9.2"},
+        {
+            "round": 0,
+            "model version": "p/1",
+            "held-out accuracy": "40.0%",
+            "mean reward": "",
+            "kept groups": "",
+            "seconds": "",
+        },
+        {
+            "round": 1,
+            "model version": "p/2",
+            "held-out accuracy": "50.0%",
+            "mean reward": "0.610",
+            "kept groups": "32",
+            "seconds": "9.2",
+        },
     ]
 
 

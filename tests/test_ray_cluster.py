@@ -83,12 +83,29 @@ def cluster():
     port = _free_port()
     temp = tempfile.mkdtemp(prefix="rl-ray-", dir="/tmp")  # short: Ray's socket paths have a length limit
     # the cluster and every process joining it share a token, as the nodes of a real cluster do
-    env = {**os.environ, "PYTHONPATH": REPO, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token",
-           "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": REPO,
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN": secrets.token_hex(32),
+    }
     started = subprocess.run(
-        [ray_cli, "start", "--head", "--node-ip-address=127.0.0.2", f"--port={port}", "--num-cpus=2",
-         "--include-dashboard=false", f"--temp-dir={temp}", "--disable-usage-stats"],
-        env=env, capture_output=True, text=True, timeout=300,
+        [
+            ray_cli,
+            "start",
+            "--head",
+            "--node-ip-address=127.0.0.2",
+            f"--port={port}",
+            "--num-cpus=2",
+            "--include-dashboard=false",
+            f"--temp-dir={temp}",
+            "--disable-usage-stats",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
     try:
@@ -102,23 +119,54 @@ def test_a_campaign_runs_its_replicas_on_an_existing_cluster(cluster, tmp_path, 
     storage = str(tmp_path / "data")
     seed_builtin_base(storage)
     config = tmp_path / "campaign.json"
-    config.write_text(json.dumps({"rounds": 1, "run_id": "cluster", "round": {
-        "rollout": {"max_batch": 64}, "verify": {"on_ray": True},
-        "train": {"groups_per_step": 2, "steps_per_round": 2},
-        "publish": {"model_name": "cluster-policy"}}}))
+    config.write_text(
+        json.dumps(
+            {
+                "rounds": 1,
+                "run_id": "cluster",
+                "round": {
+                    "rollout": {"max_batch": 64},
+                    "verify": {"on_ray": True},
+                    "train": {"groups_per_step": 2, "steps_per_round": 2},
+                    "publish": {"model_name": "cluster-policy"},
+                },
+            }
+        )
+    )
     env = {**cluster["env"], "RLROUNDS_STORAGE": storage}
     env.pop("PREFECT_API_URL", None)
     run = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "run", "--config", str(config), "--storage", storage,
-         "--replicas", "2", "--ray-address", cluster["address"]],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
+        [
+            sys.executable,
+            "-m",
+            "flows.cli",
+            "run",
+            "--config",
+            str(config),
+            "--storage",
+            storage,
+            "--replicas",
+            "2",
+            "--ray-address",
+            cluster["address"],
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "campaign cluster: held-out accuracy" in run.stdout
     # the cluster's own record of the actors it ran, read by a client with the token (Ray reads the
     # token when it is imported, so in a process of its own)
-    listed = subprocess.run([sys.executable, "-c", ACTOR_CLASSES, cluster["address"]], env=cluster["env"],
-                            capture_output=True, text=True, timeout=300)
+    listed = subprocess.run(
+        [sys.executable, "-c", ACTOR_CLASSES, cluster["address"]],
+        env=cluster["env"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert listed.returncode == 0, listed.stderr[-3000:]
     every = json.loads(listed.stdout.strip().splitlines()[-1])
     replicas = [(name, state) for name, state in every if "EngineReplica" in name]

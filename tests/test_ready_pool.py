@@ -210,8 +210,14 @@ def test_a_round_whose_whole_feed_fits_the_engine_finishes_as_much_as_it_carries
     assert engine.steps == 5
     assert [g.request.group_id for g in harvest.ready] == ["g0"]
     assert accounted(harvest) == {
-        ("g0", 0): "ready", ("g0", 1): "ready", ("g1", 0): VERIFIED, ("g1", 1): PARTIAL,
-        ("g2", 0): VERIFIED, ("g2", 1): PARTIAL, ("g3", 0): PARTIAL, ("g3", 1): PARTIAL,
+        ("g0", 0): "ready",
+        ("g0", 1): "ready",
+        ("g1", 0): VERIFIED,
+        ("g1", 1): PARTIAL,
+        ("g2", 0): VERIFIED,
+        ("g2", 1): PARTIAL,
+        ("g3", 0): PARTIAL,
+        ("g3", 1): PARTIAL,
     }
 
 

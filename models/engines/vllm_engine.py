@@ -109,8 +109,15 @@ def resume_seed(seed: int, prefix_tokens: int) -> int:
 class VLLMEngine(RolloutEngine):
     """vLLM offline engine over a local Hugging Face checkpoint directory."""
 
-    def __init__(self, checkpoint_dir: str, dtype: str = "float32", policy_version: int = 0, max_batch: int = 1024,
-                 engine_args: dict[str, Any] | None = None, update_kv: UpdateKV = "recompute"):
+    def __init__(
+        self,
+        checkpoint_dir: str,
+        dtype: str = "float32",
+        policy_version: int = 0,
+        max_batch: int = 1024,
+        engine_args: dict[str, Any] | None = None,
+        update_kv: UpdateKV = "recompute",
+    ):
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM logs every step at INFO
         # vLLM only for engine 'vllm', and after VLLM_LOGGING_LEVEL, which it reads when imported
         import vllm
@@ -193,8 +200,9 @@ class VLLMEngine(RolloutEngine):
         self.policy_version = policy_version
         return time.perf_counter() - paused
 
-    def _swap(self, engine, in_flight: dict[str, _InFlight], directory: str, version: int,
-              update: WeightUpdate) -> dict[str, _InFlight]:
+    def _swap(
+        self, engine, in_flight: dict[str, _InFlight], directory: str, version: int, update: WeightUpdate
+    ) -> dict[str, _InFlight]:
         """Load ``version`` between two steps; with ``recompute``, add the requests in flight again as
         prompt + prefix under it (their old KV blocks are freed with the abort)."""
         paused = time.perf_counter()
@@ -209,8 +217,9 @@ class VLLMEngine(RolloutEngine):
         resumed: dict[str, _InFlight] = {}
         for p, flight in zip(partials, in_flight.values()):
             group = flight.group
-            self._admit(engine, GroupRequest(group.group_id, group.prompt_token_ids, group.n, group.sampling, (p,)),
-                        resumed)
+            self._admit(
+                engine, GroupRequest(group.group_id, group.prompt_token_ids, group.n, group.sampling, (p,)), resumed
+            )
         update.applied(time.perf_counter() - paused)
         return resumed
 

@@ -25,7 +25,6 @@ class RefilterRequest(Config):
     """With regroup: keep only the first N trainable groups (later ones are marked batch_full). Default: all."""
 
 
-
 REVERIFY_DEFAULT_WHERE = "outcome = 'infra_failure'"
 
 

@@ -73,7 +73,6 @@ _RANGES: dict[str, tuple[float, float, str]] = {
 }
 
 
-
 class SimulatedEnvironmentConfig(Config):
     """SIMULATION of a remote environment's latency and outages around the verifier (no remote service is
     called)."""
@@ -94,7 +93,6 @@ class SimulatedEnvironmentConfig(Config):
     def sigma(self) -> float:
         """Standard deviation of log-latency that gives ``p99_over_median``."""
         return math.log(self.p99_over_median) / _Z99
-
 
 
 class VerifyConfig(Config):

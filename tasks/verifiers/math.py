@@ -261,4 +261,3 @@ def shared_verifier(timeout_s: float = 5.0) -> MathVerifier:
             _shared[timeout_s] = MathVerifier(timeout_s)
             atexit.register(_shared[timeout_s].close)
         return _shared[timeout_s]
-

@@ -11,6 +11,7 @@ level, nothing from rlrounds.
 The contract between them and the containment they set up are described in sandbox.py.
 """
 
+
 def bootstrap() -> None:
     """As root: namespaces, read-only mounts, then fork the sandbox's init, drop it and exec."""
     import ctypes

@@ -34,6 +34,7 @@ from tasks.verifiers.outcome import Verdict, Verifier, VerifierInfraError
 
 VERSION = "1"  # bump when the draws or their meaning change; recorded with every reward it stood in front of
 
+
 @dataclass(frozen=True)
 class EnvironmentDraw:
     latency_s: float

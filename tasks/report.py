@@ -161,10 +161,14 @@ def report_sections(s: dict) -> list[tuple[str, list[tuple[str, str]]]]:
             "numeric alignment",
             [
                 (
-                    "engine vs trainer logprobs, mean / max abs delta",
+                    "engine vs trainer at sampling weights, mean / max abs Δ",
                     f"{_fmt(s, 'train/mismatch_mean_abs', '.2e')} / {_fmt(s, 'train/mismatch_max_abs', '.2e')}",
                 ),
                 ("KL estimate", _fmt(s, "train/mismatch_kl", ".2e")),
+                (
+                    "trainer drift from sampling weights, mean / max abs Δ",
+                    f"{_fmt(s, 'train/drift_mean_abs', '.2e')} / {_fmt(s, 'train/drift_max_abs', '.2e')}",
+                ),
                 ("TIS weight mean", _fmt(s, "train/tis_mean", ".4f")),
             ],
         ),

@@ -124,7 +124,8 @@ def train_policy(
     lag_sum, lag_count, lag_max = 0.0, 0, 0.0
     drift, stopped = 0.0, False
     freshness: list[torch.Tensor] = []  # per minibatch: [N, 2] (version lag, log behaviour weight) of its tokens
-    mismatch: list[dict[str, float]] = []
+    mismatch: list[dict[str, float]] = []  # engine vs trainer, at the sampling weights
+    drifted: list[dict[str, float]] = []  # trainer before each first-pass update vs the sampling weights
     # Forward passes stay in eval mode: dropout would make the trainer score another (random) policy
     # than the engine sampled from, so the ratio would not be 1 at step 0, the mismatch figure would
     # measure dropout noise, and the loss would depend on the RNG rather than on the stored rows.
@@ -145,19 +146,18 @@ def train_policy(
         if ref_model is not None and config.kl_coef > 0:
             with torch.no_grad():
                 ref = completion_logprobs(ref_model, tokens, temperature, top_ps[index])
-        # Engine vs trainer on every minibatch, before its update. With the proximal pass the trainer's
-        # side is at the sampling weights (numerics alone); without it (the fp32 embedded engine, where
-        # the two agree to ~1e-6) minibatch k is scored k steps past them, so the figure also holds
-        # the round's own drift, which is what the ratio corrects there. Only tokens sampled by the
-        # parent policy count: a carried-over token's gap is staleness, not mismatch.
+        # Engine vs trainer at the weights that sampled: every minibatch's proximal logprobs where they
+        # were recomputed, else the first minibatch before any update (the others are scored k updates
+        # past those weights). The round's own drift, trainer now against the sampling weights, is kept
+        # apart, so neither figure hides in the other. Only tokens sampled by the parent policy count: a
+        # carried-over token's gap is staleness, not mismatch. Later passes repeat the first's minibatches.
         versions = right_padded(batch.policy_versions, width, fill=-1)  # [B, C]
         current = (versions == current_version).float()  # [B, C]
-        if step < len(batches):  # the first pass: later ones only repeat its minibatches further from them
-            mismatch.append(
-                logprob_mismatch(
-                    logp.detach() if proximal[index] is None else proximal[index], behaviour, mask * current
-                )
-            )
+        if step < len(batches):
+            if proximal[index] is not None or step == 0:
+                at_sampling = logp.detach() if proximal[index] is None else proximal[index]
+                mismatch.append(logprob_mismatch(at_sampling, behaviour, mask * current))
+            drifted.append(logprob_mismatch(logp.detach(), sampling, mask * current))
         on = mask.bool()
         freshness.append(torch.stack([(current_version - versions)[on], (logp.detach() - behaviour)[on]], dim=-1))
         inputs = LossInputs(
@@ -192,7 +192,7 @@ def train_policy(
         if progress and (step + 1) % 8 == 0:
             progress(f"train: step {step + 1}/{len(schedule)} loss {out.loss.item():.4f}")
     stats = {f"train/{k}": statistics.fmean(v) for k, v in history.items() if v}
-    pooled = pooled_mismatch(mismatch)
+    pooled, drift_pooled = pooled_mismatch(mismatch), pooled_mismatch(drifted)
     stats.update(
         {
             "train/steps": len(history["loss"]),
@@ -204,6 +204,8 @@ def train_policy(
             "train/mismatch_max_abs": pooled["max_abs"],
             "train/mismatch_kl": pooled["kl"],
             "train/mismatch_tokens": pooled["tokens"],
+            "train/drift_mean_abs": drift_pooled["mean_abs"],
+            "train/drift_max_abs": drift_pooled["max_abs"],
             "train/staleness_mean_steps": lag_sum / lag_count if lag_count else 0.0,
             "train/staleness_max_steps": lag_max,
             "train/recomputed_proximal": statistics.fmean(plan) if plan else 0.0,

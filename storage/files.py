@@ -84,13 +84,29 @@ class LeaseTimeout(TimeoutError):
     pass
 
 
+def _holder_gone(held: dict) -> bool:
+    """A lease taken on this host by a process that no longer exists (a holder on another host cannot
+    be checked from here: its lease lapses after its ttl)."""
+    pid = held.get("pid")
+    if held.get("host") != socket.gethostname() or not isinstance(pid, int) or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass  # exists, under another user
+    return False
+
+
 @contextmanager
 def lease(root: StorageRoot, path: str, *, ttl_s: float = 300.0, wait_s: float = 600.0, poll_s: float = 0.2):
     """Hold ``path`` as an exclusive lease while the block runs: a small file created only-if-absent
     (``create_exclusive``), removed on the way out. Another holder is waited for up to ``wait_s``; a
-    lease older than ``ttl_s`` is taken to belong to a holder that died and is broken, so ``ttl_s`` must
-    be well above the longest time the block can take. Good for short critical sections shared by
-    processes and hosts on one storage root (a champion's read-compare-set), not for long ownership."""
+    lease older than ``ttl_s``, or one taken on this host by a process that is gone, belongs to a holder
+    that died and is broken, so ``ttl_s`` must be well above the longest time the block can take. Good
+    for critical sections shared by processes and hosts on one storage root (a champion's
+    read-compare-set, a base built once), not for long ownership."""
     token = secrets.token_hex(8)
     deadline = time.monotonic() + wait_s
     while True:
@@ -100,7 +116,7 @@ def lease(root: StorageRoot, path: str, *, ttl_s: float = 300.0, wait_s: float =
         held: dict = {}
         try:
             held = json.loads(root.fs.cat_file(path))
-            if time.time() - float(held.get("at", 0)) > ttl_s:
+            if time.time() - float(held.get("at", 0)) > ttl_s or _holder_gone(held):
                 root.fs.rm(path)  # a dead holder's: break it, then race for it like everyone else
                 continue
         except FileNotFoundError:

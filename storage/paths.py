@@ -13,6 +13,7 @@ The storage root is any fsspec URI: a local directory (default ``./rlrounds-data
     <root>/derived/<version>/                                   re-filtered versions
     <root>/replays/<replay_id>/checkpoint/                      checkpoints trained by `rlrounds replay`
     <root>/mlflow.db, <root>/mlartifacts/                       default MLflow stores for a local root
+    <root>/locks/<name>.lock                                    short exclusive leases (champion gate, base build)
 """
 
 from __future__ import annotations
@@ -68,6 +69,9 @@ class StorageRoot:
 
     def base_policy(self, name: str) -> str:
         return self.join("base", name)
+
+    def lock(self, name: str) -> str:
+        return self.join("locks", f"{name}.lock")
 
     def campaign_file(self, run_id: str) -> str:
         return self.join("runs", run_id, "campaign.json")

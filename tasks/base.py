@@ -12,6 +12,7 @@ from models.builtin import BUILTINS
 from models.builtin.base_policy import build_base_policy
 from models.checkpoint import check_policy_dir
 from storage import checkpoints
+from storage.files import lease
 from storage.paths import StorageRoot
 from storage.settings import settings
 from storage.tracking import Tracker
@@ -26,6 +27,9 @@ from tasks.report import report_progress
 from tasks.results import BasePolicy, Published
 
 BUILTIN = "builtin"  # the addition base; every built-in base is listed in models.builtin.BUILTINS
+BASE_BUILD_LEASE_S = 4 * 3600.0
+"""How long a base build may hold its lease: a holder on another host that died blocks the build that
+long (one on this host is seen to be gone at once), so it is far above a build's minutes."""
 
 
 def run_prepare_base(*, storage: str, base_model: str, progress: Callable[[str], None] | None = None) -> BasePolicy:
@@ -41,15 +45,18 @@ def run_prepare_base(*, storage: str, base_model: str, progress: Callable[[str],
     builtin = BUILTINS[base_model]
     name = builtin.cache_name
     target = root.base_policy(name)
+    built = False
     if not checkpoints.is_committed(root, target):
-        with tempfile.TemporaryDirectory(prefix="rlrounds-base-") as tmp:
-            if progress is None:
-                progress = report_progress
-            meta = build_base_policy(tmp, progress=progress, task=builtin)
-            checkpoints.commit_checkpoint(root, tmp, target, {"kind": "base", **meta})
-        built = True
-    else:
-        built = False
+        progress = progress or report_progress
+        # Campaigns started together on a fresh root build the base once: the first takes the lease and
+        # builds, the others wait for it and find the base committed.
+        progress(f"base policy {name}: building it, or waiting for the process that is")
+        with lease(root, root.lock(f"base-{name}"), ttl_s=BASE_BUILD_LEASE_S, wait_s=BASE_BUILD_LEASE_S, poll_s=1.0):
+            if not checkpoints.is_committed(root, target):
+                with tempfile.TemporaryDirectory(prefix="rlrounds-base-") as tmp:
+                    meta = build_base_policy(tmp, progress=progress, task=builtin)
+                    checkpoints.commit_checkpoint(root, tmp, target, {"kind": "base", **meta})
+                built = True
     return BasePolicy(checkpoint=target, base_model=name, built=built)
 
 

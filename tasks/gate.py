@@ -44,7 +44,7 @@ def champion_gate(
     name, version = parse_model_version(model_version)
     # Read, compare and move the alias as one step: two campaigns of one line finishing together
     # would otherwise each compare with the old champion and the later write would win.
-    with lease(root, root.join("locks", f"champion-{name}-{alias}.lock")):
+    with lease(root, root.lock(f"champion-{name}-{alias}")):
         champion = tracker.alias_version(name, alias)
         best = None
         if champion and champion != version:

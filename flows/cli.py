@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 import warnings
 
@@ -19,7 +21,7 @@ from pydantic import ValidationError
 from flows.cli_data import add_commands, model_version_arg, storage_arg
 from flows.config import CampaignConfig, ConfigError, commented_yaml, describe_validation_error, load_campaign_config
 from flows.errors import UserError
-from flows.orphans import take_over
+from flows.orphans import stop_children, take_over
 from storage.campaigns import claim, stored_config
 from storage.files import probe_writable
 from storage.paths import StorageRoot
@@ -274,6 +276,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread so that a stopped command unwinds as on Ctrl-C: engines and
+    verifier pools are released by the code that opened them, Prefect stops its server at exit."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -281,6 +292,20 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging()
 
     take_over("rlrounds")  # what campaigns killed before they could stop their children left behind
+    in_main_thread = threading.current_thread() is threading.main_thread()  # where Python runs handlers
+    previous = signal.signal(signal.SIGTERM, _terminate) if in_main_thread else None
+    try:
+        return _run(args)
+    except Terminated:
+        stopped = stop_children()  # whatever is still running of what this command started
+        print(f"terminated; stopped {len(stopped)} process(es) it had started", file=sys.stderr)
+        return 128 + signal.SIGTERM
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.debug:
         return args.func(args)
     try:
@@ -288,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except Terminated:
+        raise
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

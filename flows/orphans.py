@@ -1,10 +1,11 @@
 """No process outlives the campaign that started it.
 
 A campaign run without a Prefect server starts Prefect's ephemeral API server as a child process (and
-Ray, vLLM's engine core, verifier workers as it goes). A campaign killed with SIGKILL — an out-of-memory
-kill, a preempted machine — cannot stop them, and they live on, adopted by init. So every ``rlrounds``
-process marks its environment with its own identity, which its children inherit, and each start
-terminates the processes whose marking ``rlrounds`` process is gone.
+Ray, vLLM's engine core, verifier workers as it goes). Every ``rlrounds`` process marks its environment
+with its own identity, which its children inherit. A campaign stopped by SIGTERM unwinds as on Ctrl-C
+and then stops every process it marked (``stop_children``). One killed with SIGKILL — an out-of-memory
+kill, a preempted machine — cannot stop them, and they live on, adopted by init: each start terminates
+the processes whose marking ``rlrounds`` process is gone (``reap_orphans``).
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ def _owner_of(pid: int) -> tuple[int, str] | None:
     return None
 
 
-def orphans() -> list[int]:
-    """This user's processes marked by an ``rlrounds`` process that no longer runs."""
+def _marked() -> list[tuple[int, int, str]]:
+    """(pid, marking pid, marking process's start) of this user's marked processes, this one left out."""
     if not os.path.isdir("/proc"):
         return []
     me, uid = os.getpid(), os.getuid()
@@ -53,17 +54,39 @@ def orphans() -> list[int]:
         except OSError:
             continue
         owner = _owner_of(int(name))
-        if owner is None or owner[0] == me:
-            continue
-        owner_pid, started = owner
-        if process_started(owner_pid) != started:  # gone, or its pid now belongs to another process
-            found.append(int(name))
+        if owner is not None:
+            found.append((int(name), *owner))
     return found
+
+
+def orphans() -> list[int]:
+    """This user's processes marked by an ``rlrounds`` process that no longer runs."""
+    me = os.getpid()
+    # gone, or its pid now belongs to another process
+    return [pid for pid, owner, started in _marked() if owner != me and process_started(owner) != started]
+
+
+def children() -> list[int]:
+    """The processes this process marked (its children, theirs, and what they started)."""
+    me, started_here = os.getpid(), process_started(os.getpid())
+    return [pid for pid, owner, started in _marked() if owner == me and started == started_here]
 
 
 def reap_orphans(grace_s: float = 5.0) -> list[int]:
     """Terminate what killed campaigns left behind (SIGTERM, then SIGKILL after ``grace_s``); returns the pids."""
     victims = orphans()
+    _stop(victims, grace_s)
+    return victims
+
+
+def stop_children(grace_s: float = 5.0) -> list[int]:
+    """Terminate what this process started and has not stopped yet (SIGTERM, then SIGKILL); returns the pids."""
+    victims = children()
+    _stop(victims, grace_s)
+    return victims
+
+
+def _stop(victims: list[int], grace_s: float) -> None:
     for pid in victims:
         try:
             os.kill(pid, signal.SIGTERM)
@@ -77,7 +100,6 @@ def reap_orphans(grace_s: float = 5.0) -> list[int]:
             os.kill(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-    return victims
 
 
 def take_over(who: str) -> None:

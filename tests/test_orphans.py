@@ -111,3 +111,56 @@ def test_sigkilled_campaign_leaves_nothing_after_the_next_start(tmp_path, seed_b
                 os.kill(s, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def _marked_by(pid: int) -> list[int]:
+    """Processes carrying ``pid``'s rlrounds marking: what that process started, however deep."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if f"{OWNER_VAR}={pid}:".encode() in f.read():
+                    found.append(int(name))
+        except OSError:
+            pass
+    return found
+
+
+@pytest.mark.slow
+def test_sigtermed_campaign_stops_everything_it_started(tmp_path, seed_builtin_base):
+    """SIGTERM a campaign once its ephemeral Prefect server is up: it exits 143 and no process it
+    started is left running, without waiting for the next `rlrounds` start to reap them."""
+    storage = str(tmp_path / "data")
+    seed_builtin_base(storage)
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", OWNER_VAR)}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(__file__)), env.get("PYTHONPATH", "")])
+    campaign = subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", "run", "--storage", storage, "--rounds", "2"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    started: list[int] = []
+    try:
+        deadline = time.monotonic() + 240
+        while not _server_children(campaign.pid) and time.monotonic() < deadline and campaign.poll() is None:
+            time.sleep(0.5)
+        assert _server_children(campaign.pid), "the campaign never started Prefect's ephemeral server"
+        time.sleep(15)  # into its flow run, past the server's start-up
+        started = _marked_by(campaign.pid)
+        assert started, "the campaign marked none of the processes it started"
+        campaign.send_signal(signal.SIGTERM)
+        _, err = campaign.communicate(timeout=120)
+        assert campaign.returncode == 128 + signal.SIGTERM, err.decode()[-2000:]
+        assert "terminated" in err.decode()
+        assert [pid for pid in started if process_started(pid) is not None] == []
+        assert _marked_by(campaign.pid) == []
+    finally:
+        campaign.kill()
+        for pid in _marked_by(campaign.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -21,7 +21,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from flows.config import CampaignConfig, ReplayRequest
-from tasks.config.base import _model_in
+from tasks.config.base import model_in
 from tasks.config.refilter import RefilterRequest, ReverifyRequest
 
 REFERENCE = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
@@ -60,7 +60,7 @@ def _sections(model: type[BaseModel], path: str, documented: dict[type[BaseModel
     lines = [heading, _one_line(model.__doc__ or ""), "\n\n| field | type | default | help |\n|---|---|---|---|\n"]
     nested: list[tuple[str, type[BaseModel]]] = []
     for name, field in model.model_fields.items():
-        inner = _model_in(field.annotation)
+        inner = model_in(field.annotation)
         dotted = f"{path}.{name}" if path else name
         help_text = _one_line(field.description or "")
         if inner is not None and inner in documented:

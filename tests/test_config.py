@@ -141,7 +141,7 @@ def test_rlrounds_config_prints_each_fields_help_and_loads_back(capsys):
 def config_models() -> list[type]:
     """Every config model: the campaign's sections and the replay, re-filter and re-verify requests."""
     from flows.config import ReplayRequest
-    from tasks.config.base import _model_in
+    from tasks.config.base import model_in
     from tasks.config.refilter import RefilterRequest, ReverifyRequest
 
     found: list[type] = []
@@ -150,7 +150,7 @@ def config_models() -> list[type]:
         model = todo.pop()
         if model not in found:
             found.append(model)
-            todo += [inner for f in model.model_fields.values() if (inner := _model_in(f.annotation))]
+            todo += [inner for f in model.model_fields.values() if (inner := model_in(f.annotation))]
     return found
 
 

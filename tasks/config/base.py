@@ -33,11 +33,11 @@ def field_help(model: type[BaseModel], loc: tuple[Any, ...]) -> str | None:
             return None
         field = fields[part]
         described = field.description
-        current = _model_in(field.annotation)
+        current = model_in(field.annotation)
     return " ".join(described.split()) if described else None
 
 
-def _model_in(annotation: Any) -> Any:
+def model_in(annotation: Any) -> Any:
     """The pydantic model an annotation holds (``X``, ``X | None``), else None."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation

@@ -73,6 +73,9 @@ class RoundConfig(Config):
     """Where checkpoints are registered."""
     evaluate: EvaluateConfig = EvaluateConfig()
     """How published checkpoints are scored, at serving precision."""
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
+    """Where the stages that run torch compute (trainer, embedded engine, evaluation, base build). 'auto': CUDA when
+    a GPU is visible, else the CPU; or 'cpu', 'cuda', 'cuda:N'. Checkpoints load on any device."""
     seed: int = 0
     """Seeds prompt order and sampling; a round's seed is derived from it and the round index."""
     mode: Literal["sync", "overlap"] = "sync"
@@ -165,7 +168,12 @@ class CampaignConfig(Config):
     def identity(self) -> dict:
         """What a resume must match: everything that shapes a round. The round count and the stopping
         rule may change, so a finished campaign can be extended with `--resume RUN_ID --rounds N`."""
-        return {"experiment": self.experiment, "round": self.round.model_dump(mode="json")}
+        shape = self.round.model_dump(mode="json")
+        shape.pop("device")  # where it computes: a CPU campaign may be resumed on a GPU machine
+        for field, default in IDENTITY_SINCE.items():  # campaigns recorded before these fields still resume
+            if shape["train"][field] == default:
+                shape["train"].pop(field)
+        return {"experiment": self.experiment, "round": shape}
 
     @field_validator("run_id")
     @classmethod
@@ -175,6 +183,11 @@ class CampaignConfig(Config):
                 f"run_id {v!r} must be 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
             )
         return v
+
+
+IDENTITY_SINCE = {"workers": 1, "precision": "auto"}
+"""Train fields added after campaigns were first recorded: left out of a campaign's identity at these values,
+so a campaign started before them resumes as it ran."""
 
 
 class ReplayRequest(Config):

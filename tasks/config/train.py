@@ -55,9 +55,8 @@ class TrainConfig(Config):
     whole campaign is pulled towards. 'parent': the checkpoint the round starts from, a moving trust
     region that only limits how far one round moves."""
     workers: int = Field(1, ge=1, le=4096)
-    """Trainer processes. 1: in the round's own process. N > 1: N Ray actors (a GPU or a CPU each), started once per
-    campaign, that shard policy, gradients and optimizer state with FSDP2 and split each step's groups; the
-    loss is normalised over the whole step, so N make the update one would (docs/training.md)."""
+    """Trainer processes. 1: in the round's own process. N > 1: N Ray actors started once per campaign shard the
+    policy and optimizer state with FSDP2 and split each step's groups, making the update one would."""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     """Training precision: 'fp32', or 'bf16' autocast over fp32 master weights and optimizer state. 'auto': bf16 on
     CUDA, fp32 on the CPU."""

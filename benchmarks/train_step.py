@@ -73,7 +73,8 @@ def main() -> None:
         work = [([list(s.prompt_token_ids) for s in samples], [s.token_ids for s in samples])]
     else:
         from storage.trajectories import committed_round_version, read_table
-        from tasks.train import TRAIN_COLUMNS, kept_rows, minibatches
+        from tasks.train import TRAIN_COLUMNS, kept_rows
+        from tasks.update import minibatches
 
         model, tokenizer = load_policy(checkpoints.local_copy(root, root.checkpoint(args.run_id, args.round - 1)))
         version = committed_round_version(root, args.run_id, args.round)

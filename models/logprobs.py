@@ -8,7 +8,7 @@ rule the embedded engine samples with.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -114,6 +114,9 @@ class SharedPromptBatch:
     completion_ids: torch.Tensor
     completion_mask: torch.Tensor
 
+    def to(self, device: torch.device) -> SharedPromptBatch:
+        return SharedPromptBatch(*(getattr(self, f.name).to(device) for f in fields(self)))
+
 
 def cache_argument(model: Any) -> str:
     """The name under which this model's forward takes a KV cache: transformers 5.2x renamed
@@ -205,7 +208,9 @@ def completion_logprobs(
     prompt_kv = [(layer.keys, layer.values) for layer in layers] if layers is not None else None
     lengths = batch.completion_mask.sum(-1)  # [B]
     rows, width = batch.completion_ids.shape
-    chunks = length_chunks(lengths, padding_budget) if prompt_kv is not None else [torch.arange(rows)]
+    chunks = (
+        length_chunks(lengths, padding_budget) if prompt_kv is not None else [torch.arange(rows, device=lengths.device)]
+    )
     pieces = []
     for chunk in chunks:
         owner = batch.owner.index_select(0, chunk)  # [n]
@@ -220,7 +225,7 @@ def completion_logprobs(
         out = model(
             input_ids=completion_ids,
             attention_mask=torch.cat([prompt_mask, batch.completion_mask[chunk, :c_width]], dim=-1),
-            position_ids=prompt_mask.sum(-1, keepdim=True) + torch.arange(c_width),  # [n, w]
+            position_ids=prompt_mask.sum(-1, keepdim=True) + torch.arange(c_width, device=prompt_mask.device),  # [n, w]
             **{cache_argument(model): cache},
         )
         first = prompt_out.logits[:, -1, :].index_select(0, owner).unsqueeze(1)  # [n, 1, V]: predicts token 0
@@ -230,7 +235,7 @@ def completion_logprobs(
         pieces.append(torch.nn.functional.pad(logprobs, (0, width - c_width)))
     order = torch.cat(chunks)
     back = torch.empty_like(order)
-    back[order] = torch.arange(rows)
+    back[order] = torch.arange(rows, device=order.device)
     return torch.cat(pieces).index_select(0, back)  # [B, C] in the batch's row order
 
 

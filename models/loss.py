@@ -11,7 +11,9 @@ Notation per completion token t of sample i:
     tis   = min(exp(proximal - behaviour), tis_cap)  (detached)     # engine/trainer mismatch correction
     loss  = -tis * min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)  [+ kl_coef * k3(logp, ref)]
 
-Aggregation of the per-token loss over a minibatch of B samples:
+Aggregation of the per-token loss over a minibatch of B samples (split across N trainer workers, each
+takes its rows' share of the whole minibatch's sum over the whole minibatch's denominator, ``StepTotals``,
+so the shares add up to the loss one worker computes):
     token     sum over every completion token / number of completion tokens (long answers weigh more)
     sequence  mean over each sample's tokens, then mean over samples (every sample weighs the same)
     dr_grpo   sum over every completion token / (B * max_tokens), max_tokens the sampling limit:
@@ -35,6 +37,16 @@ class LossInputs:
     proximal_logprobs: torch.Tensor | None = None  # [B, T]
     ref_logprobs: torch.Tensor | None = None  # [B, T] reference policy, for the KL penalty
     max_tokens: int | None = None  # the sampling limit on completion tokens; dr_grpo divides by B * it
+    step: StepTotals | None = None  # the whole minibatch's counts when these rows are one worker's share
+
+
+@dataclass(frozen=True)
+class StepTotals:
+    """The whole minibatch's denominators, for a worker that holds a share of its rows."""
+
+    tokens: int  # completion tokens
+    samples: int
+    max_tokens: int | None  # the sampling limit (dr_grpo)
 
 
 @dataclass(frozen=True)
@@ -60,20 +72,33 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1.0)
 
 
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, how: str, max_tokens: int | None = None) -> torch.Tensor:
-    """[B, T] -> scalar. ``max_tokens`` (the sampling limit) is needed by 'dr_grpo' only."""
+def aggregate(
+    per_token: torch.Tensor, mask: torch.Tensor, how: str, max_tokens: int | None = None, step: StepTotals | None = None
+) -> torch.Tensor:
+    """[B, T] -> scalar. ``max_tokens`` (the sampling limit) is needed by 'dr_grpo' only. With ``step``, these
+    rows are a share of a minibatch: their sum over the minibatch's denominator."""
+    if how not in ("token", "sequence", "dr_grpo"):
+        raise ValueError(f"unknown loss aggregation {how!r}; use 'token', 'sequence' or 'dr_grpo'")
+    if step is not None:
+        if how == "token":
+            return (per_token * mask).sum() / max(step.tokens, 1)
+        if how == "sequence":
+            return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / step.samples
+        return (per_token * mask).sum() / (step.samples * _limit(step.max_tokens))
     if how == "token":
         return masked_mean(per_token, mask)
     if how == "sequence":
         per_sample = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)  # [B]
         return per_sample.mean()
-    if how == "dr_grpo":
-        if not max_tokens or max_tokens < 1:
-            raise ValueError(
-                "loss aggregation 'dr_grpo' divides by samples x max_tokens; pass the sampling limit max_tokens >= 1"
-            )
-        return (per_token * mask).sum() / (per_token.shape[0] * max_tokens)
-    raise ValueError(f"unknown loss aggregation {how!r}; use 'token', 'sequence' or 'dr_grpo'")
+    return (per_token * mask).sum() / (per_token.shape[0] * _limit(max_tokens))
+
+
+def _limit(max_tokens: int | None) -> int:
+    if not max_tokens or max_tokens < 1:
+        raise ValueError(
+            "loss aggregation 'dr_grpo' divides by samples x max_tokens; pass the sampling limit max_tokens >= 1"
+        )
+    return max_tokens
 
 
 def policy_loss(x: LossInputs, s: LossSettings) -> LossOutput:
@@ -96,7 +121,7 @@ def policy_loss(x: LossInputs, s: LossSettings) -> LossOutput:
         k3 = torch.exp(delta) - delta - 1.0
         kl = masked_mean(k3, mask)
         per_token = per_token + s.kl_coef * k3
-    loss = aggregate(per_token, mask, s.aggregation, x.max_tokens)
+    loss = aggregate(per_token, mask, s.aggregation, x.max_tokens, x.step)
     with torch.no_grad():
         was_clipped = ((ratio * adv) > (clipped * adv)).float()
         truncated = (

@@ -9,7 +9,7 @@ import pytest
 from models.engines.replicas import replica_for
 from models.engines.vllm_engine import token_versions
 from tasks.engines import Placement
-from tasks.train import needs_proximal
+from tasks.update import needs_proximal
 
 
 @dataclass

@@ -1,0 +1,340 @@
+"""Sharded data-parallel training: ``train.workers`` trainer processes as Ray actors, one FSDP2 process group.
+
+    group = worker_group(workers=2, device="auto", ray_address=None)   # started once, reused by later rounds
+    stats = group.train(job, out_dir)      # every worker trains its share; the checkpoint lands in out_dir
+    release_worker_groups()                # the campaign's end, failure or kill (``released_workers``)
+
+The workers sit in a placement group (a GPU each on GPUs, a CPU each otherwise), join one
+``torch.distributed`` process group (NCCL on CUDA, gloo on CPU) and shard the policy with FSDP2
+(models/sharded.py). Each round they load the parent checkpoint, which the driver ships through Ray's
+object store (no filesystem is shared between nodes), and run ``tasks.train.train_policy`` on their
+shares of every minibatch (``tasks.train.sharded_minibatches``): whole groups, with the minibatch's totals
+as the loss's denominators, so N workers make the update one would. Rank 0 gathers the weights into the
+Hugging Face directory; every rank writes its shard of the optimizer state with DCP.
+
+A worker that dies fails the round at once: the driver waits on every worker's call, and the first
+that raises (a dead actor, or a collective that timed out after ``COLLECTIVE_TIMEOUT_S``) stops the
+group and names the worker. Nothing was committed, so ``--resume`` trains the round again on a new group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import socket
+import tempfile
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from models.checkpoint import load_policy, save_policy
+from models.device import distributed_backend, resolve_device, resolve_precision
+from models.sharded import (
+    OPTIMIZER_DIR,
+    OPTIMIZER_FILE,
+    full_weights,
+    load_optimizer_shards,
+    load_plain_optimizer,
+    resident_bytes,
+    save_optimizer_shards,
+    shard_policy,
+)
+from tasks.config.train import TrainConfig
+from tasks.engines import Placement, connect_ray
+from tasks.update import Collective, TrainBatch, schedule, train_policy
+
+COLLECTIVE_TIMEOUT_S = 300
+"""A collective that waits longer than this on a peer fails (a hung worker, not a dead one: Ray reports a
+dead actor at once). A round's longest wait between collectives is one minibatch's forward pass."""
+PLACEMENT_TIMEOUT_S = 120
+"""How long the group's placement group may wait for its GPUs or CPUs before the round fails."""
+
+
+class TrainWorkerError(RuntimeError):
+    pass
+
+
+@dataclass
+class TrainJob:
+    """One round's training, as every worker receives it (its own ``shares``)."""
+
+    shares: list[TrainBatch]  # this worker's share of every minibatch
+    config: TrainConfig
+    temperature: float
+    current_version: int
+    recompute: list[bool]
+
+
+@dataclass
+class WorkerResult:
+    rank: int
+    stats: dict  # the round's figures (the same on every rank)
+    memory: dict[str, int]  # this rank's resident parameter / gradient / optimizer-state bytes
+    files: dict[str, bytes] = field(default_factory=dict)  # what this rank wrote of the checkpoint
+
+
+class GroupCollective(Collective):
+    """Sums, maxima and gathers over the process group (on the device for NCCL, the CPU for gloo)."""
+
+    def __init__(self, device: torch.device):
+        self.world, self.rank, self.device = dist.get_world_size(), dist.get_rank(), device
+
+    def _reduced(self, values: list[float], op) -> list[float]:
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor, op=op)
+        return tensor.tolist()
+
+    def sum(self, values: list[float]) -> list[float]:
+        return self._reduced(values, dist.ReduceOp.SUM)
+
+    def max(self, values: list[float]) -> list[float]:
+        return self._reduced(values, dist.ReduceOp.MAX)
+
+    def gather(self, value: object) -> list:
+        out: list = [None] * self.world
+        dist.all_gather_object(out, value)
+        return out
+
+
+class TrainWorker:
+    """One trainer process of a group: the actor body (wrapped with ``ray.remote`` by ``WorkerGroup``), or a
+    plain object in a process of its own (the tests)."""
+
+    def __init__(self, device: str = "auto"):
+        # on a GPU actor Ray has made the actor's GPU the only visible one: 'cuda:N' means it
+        self.device = resolve_device("cuda" if device.startswith("cuda") else device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.collective: GroupCollective | None = None
+
+    def where(self) -> dict:
+        return {"host": socket.gethostname(), "pid": os.getpid(), "device": str(self.device)}
+
+    def rendezvous(self) -> str:
+        """host:port where rank 0 listens for the group (called on rank 0's worker)."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return f"{node_address()}:{port}"
+
+    def join(self, rank: int, world: int, address: str, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> dict:
+        dist.init_process_group(
+            distributed_backend(self.device),
+            init_method=f"tcp://{address}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        self.collective = GroupCollective(self.device)
+        return self.where()
+
+    def train(self, parent: dict[str, bytes], job: TrainJob, reference: dict[str, bytes] | None = None) -> WorkerResult:
+        """Train this rank's shares from the parent checkpoint's files; return what this rank wrote of the new
+        checkpoint (rank 0: the Hugging Face directory and the optimizer metadata; every rank: its shard)."""
+        assert self.collective is not None, "join the group first"
+        rank, device = self.collective.rank, self.device
+        with tempfile.TemporaryDirectory(prefix="rlrounds-worker-") as tmp:
+            parent_dir = write_files(os.path.join(tmp, "parent"), parent)
+            model, tokenizer = load_policy(parent_dir)
+            shard_policy(model.to(device))
+            optimizer = torch.optim.AdamW(model.parameters(), lr=job.config.learning_rate)
+            if os.path.isdir(os.path.join(parent_dir, OPTIMIZER_DIR)):
+                load_optimizer_shards(model, optimizer, os.path.join(parent_dir, OPTIMIZER_DIR))
+            elif os.path.exists(os.path.join(parent_dir, OPTIMIZER_FILE)):
+                plain = torch.load(os.path.join(parent_dir, OPTIMIZER_FILE), weights_only=True, map_location="cpu")
+                load_plain_optimizer(model, optimizer, plain)
+            schedule(optimizer, job.config)
+            ref_model = None
+            if reference is not None:  # the KL anchor, whole on every rank (it takes no gradient)
+                ref_model = load_policy(write_files(os.path.join(tmp, "reference"), reference))[0].to(device)
+            optimizer, stats = train_policy(
+                model,
+                tokenizer.pad_token_id,
+                job.shares,
+                job.config,
+                job.temperature,
+                optimizer,
+                job.current_version,
+                job.recompute,
+                ref_model,
+                device=device,
+                precision=resolve_precision(job.config.precision, device),
+                collective=self.collective,
+            )
+            memory = resident_bytes(model, optimizer)
+            out = os.path.join(tmp, "out")
+            weights = full_weights(model)
+            save_optimizer_shards(model, optimizer, os.path.join(out, OPTIMIZER_DIR))
+            if rank == 0:  # the whole policy, saved from the CPU like a one-process round's
+                whole, _ = load_policy(parent_dir)
+                whole.load_state_dict(weights)
+                save_policy(whole, tokenizer, out)
+            return WorkerResult(rank, stats, memory, read_files(out))
+
+    def leave(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def node_address() -> str:
+    """This node's address as the cluster reaches it (Ray's view when in a Ray worker)."""
+    try:
+        import ray  # Ray only where the worker group runs on it: importing it takes seconds
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    return "127.0.0.1"
+
+
+def read_files(directory: str) -> dict[str, bytes]:
+    """Every file under ``directory``, by relative path."""
+    out = {}
+    for folder, _, names in os.walk(directory):
+        for name in names:
+            path = os.path.join(folder, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, directory)] = f.read()
+    return out
+
+
+def write_files(directory: str, files: dict[str, bytes]) -> str:
+    for name, data in files.items():
+        path = os.path.join(directory, name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(data)
+    return directory
+
+
+class WorkerGroup:
+    """``workers`` ``TrainWorker`` actors in one placement group, joined into one process group."""
+
+    def __init__(self, workers: int, device: str, ray_address: str | None):
+        import ray  # Ray only where the worker group runs on it: importing it takes seconds
+
+        connect_ray(Placement(workers, ray_address))
+        gpus = ray.cluster_resources().get("GPU", 0)
+        self.on_gpu = device.startswith("cuda") or (device == "auto" and gpus >= workers)
+        bundle = {"GPU": 1.0, "CPU": 1.0} if self.on_gpu else {"CPU": 1.0}
+        self.group = ray.util.placement_group([bundle] * workers, strategy="PACK")
+        try:
+            ray.get(self.group.ready(), timeout=PLACEMENT_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            ray.util.remove_placement_group(self.group)
+            raise TrainWorkerError(
+                f"train.workers {workers}: Ray could not place {workers} workers of {bundle} within "
+                f"{PLACEMENT_TIMEOUT_S} s (free: {ray.available_resources()}); lower train.workers or "
+                "rollout.replicas, or add nodes to the cluster"
+            ) from None
+        actor = ray.remote(TrainWorker)
+        self.actors = [
+            actor.options(
+                num_cpus=bundle["CPU"],
+                num_gpus=bundle.get("GPU", 0),
+                scheduling_strategy=ray.util.scheduling_strategies.PlacementGroupSchedulingStrategy(
+                    self.group, placement_group_bundle_index=i
+                ),
+            ).remote(device)
+            for i in range(workers)
+        ]
+        self.places: list[dict] = [{"rank": i} for i in range(workers)]
+        address = self._wait([self.actors[0].rendezvous.remote()], "start")[0]
+        self.places = self._wait([a.join.remote(i, workers, address) for i, a in enumerate(self.actors)], "join")
+        self.key = (workers, device, ray_address)
+
+    @property
+    def workers(self) -> int:
+        return len(self.actors)
+
+    def train(self, parent_dir: str, job: TrainJob, shares: list[list[TrainBatch]], reference_dir: str | None):
+        """Train a round on every worker; returns (the checkpoint's files, stats, each rank's resident bytes)."""
+        import ray  # Ray only where the worker group runs on it: importing it takes seconds
+
+        parent = ray.put(read_files(parent_dir))  # fetched once per node, not once per worker
+        reference = ray.put(read_files(reference_dir)) if reference_dir else None
+        calls = [
+            a.train.remote(parent, dataclasses.replace(job, shares=s), reference) for a, s in zip(self.actors, shares)
+        ]
+        results: list[WorkerResult] = self._wait(calls, "train")
+        files = {name: data for r in results for name, data in r.files.items()}
+        return files, results[0].stats, [r.memory for r in results]
+
+    def _wait(self, calls: list, what: str) -> list:
+        """Every call's result, in call order; the first to fail stops the group and names its worker."""
+        import ray  # Ray only where the worker group runs on it: importing it takes seconds
+
+        rank_of = {call: i for i, call in enumerate(calls)}
+        pending = list(calls)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(done[0])
+            except ray.exceptions.RayError as exc:  # a dead actor, a collective that timed out, an error in training
+                rank = rank_of[done[0]]
+                place = self.places[rank] if rank < len(self.places) else {}
+                where = f" on {place['host']} (pid {place['pid']})" if "host" in place else ""
+                self.close()
+                reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                raise TrainWorkerError(
+                    f"trainer worker {rank} of {len(self.actors)}{where} failed during {what}: {reason[:300]}. "
+                    "The group was stopped and nothing was committed; `rlrounds run --resume RUN_ID` trains the "
+                    "round again on a new group"
+                ) from None
+        return ray.get(calls)
+
+    def close(self) -> None:
+        import ray  # Ray only where the worker group runs on it: importing it takes seconds
+
+        for actor in getattr(self, "actors", []):
+            with contextlib.suppress(Exception):
+                ray.kill(actor)
+        self.actors = []
+        with contextlib.suppress(Exception):
+            ray.util.remove_placement_group(self.group)
+        with _lock:
+            if _groups.get(getattr(self, "key", None)) is self:
+                del _groups[self.key]
+
+
+_lock = threading.Lock()
+_groups: dict[tuple, WorkerGroup] = {}
+
+
+def worker_group(workers: int, device: str, ray_address: str | None) -> WorkerGroup:
+    """The live group of this shape, or a new one (another shape's group is stopped first: its workers
+    hold the devices a new group needs)."""
+    key = (workers, device, ray_address)
+    with _lock:
+        live = _groups.get(key)
+        others = [g for k, g in _groups.items() if k != key]
+    if live is not None and live.actors:
+        return live
+    for group in others:
+        group.close()
+    group = WorkerGroup(workers, device, ray_address)
+    with _lock:
+        _groups[key] = group
+    return group
+
+
+def release_worker_groups() -> None:
+    with _lock:
+        groups = list(_groups.values())
+    for group in groups:
+        group.close()
+
+
+@contextlib.contextmanager
+def released_workers() -> Iterator[None]:
+    """Stop the worker groups started inside when the block ends, however it ends (a campaign's, a replay's)."""
+    try:
+        yield
+    finally:
+        release_worker_groups()

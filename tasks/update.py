@@ -1,0 +1,388 @@
+"""A round's policy update: GRPO-style policy-gradient steps over the kept samples of one trajectory version.
+
+The round's trainable groups are split into ``steps_per_round`` minibatches of ``groups_per_step``
+groups, in a seeded shuffle of their ids (``minibatch_order``), one optimizer step each. Later
+minibatches are a few steps stale relative to the weights that sampled them; the PPO ratio and its
+clip account for that, and the staleness is logged. ``train_policy`` runs the steps in one process, or
+as one worker's share of each minibatch in a group (``Collective``; tasks/train_workers.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import statistics
+from dataclasses import dataclass
+
+import torch
+
+from models.device import autocast
+from models.logprobs import completion_logprobs, pack_shared, right_padded
+from models.loss import LossInputs, LossSettings, StepTotals, logprob_mismatch, policy_loss, pooled_mismatch
+from tasks.config.train import TrainConfig
+
+CPU = torch.device("cpu")
+
+
+def loss_settings(config: TrainConfig) -> LossSettings:
+    return LossSettings(config.clip_low, config.clip_high, config.tis_cap, config.aggregation, config.kl_coef)
+
+
+@dataclass
+class TrainBatch:
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    behaviour: list[list[float]]
+    advantages: list[float]
+    policy_versions: list[list[int]]
+    top_p: list[float]  # per sample: the nucleus its behaviour logprobs were renormalised over
+    max_tokens: int | None = None  # the sampling limit on completion tokens (dr_grpo's denominator)
+    step: StepTotals | None = None  # the whole minibatch's totals, when this is one worker's share of it
+    idle: bool = False  # a stand-in for a worker with no rows in this minibatch: it trains on nothing
+
+
+def minibatches(
+    rows: list[dict], groups_per_step: int, steps: int, shuffle_seed: int | None = None
+) -> list[TrainBatch]:
+    """Kept rows (in stored order) -> up to ``steps`` minibatches of whole groups: in stored order, or
+    with ``shuffle_seed`` in the order of a hash of (seed, group id), which depends on nothing but the
+    rows and the seed (``TrainConfig.minibatch_order``)."""
+    return [batch_of(sum(groups, [])) for groups in step_groups(rows, groups_per_step, steps, shuffle_seed)]
+
+
+def sharded_minibatches(
+    rows: list[dict], groups_per_step: int, steps: int, shuffle_seed: int | None, workers: int
+) -> list[list[TrainBatch]]:
+    """``minibatches`` split between ``workers``: per worker, its share of every minibatch, whole groups in
+    contiguous runs (so a group's samples share their prompt's pass), each share carrying its minibatch's
+    totals. A worker the minibatch has no group for gets an idle stand-in (its first group, counting for
+    nothing): every worker takes part in every step's collectives."""
+    shares: list[list[TrainBatch]] = [[] for _ in range(workers)]
+    for groups in step_groups(rows, groups_per_step, steps, shuffle_seed):
+        chosen = sum(groups, [])
+        sampled = max((sampling_limit(r) for r in chosen), default=0) or None
+        totals = StepTotals(sum(len(r["completion_token_ids"]) for r in chosen), len(chosen), sampled)
+        bounds = [len(groups) * w // workers for w in range(workers + 1)]
+        for worker, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            mine = sum(groups[a:b], [])
+            shares[worker].append(batch_of(mine or groups[0], totals, idle=not mine))
+    return shares
+
+
+def step_groups(rows: list[dict], groups_per_step: int, steps: int, shuffle_seed: int | None) -> list[list[list[dict]]]:
+    """Per optimizer step, its groups' rows (see ``minibatches``)."""
+    order: list[str] = []
+    by_group: dict[str, list[dict]] = {}
+    for row in rows:
+        if row["group_id"] not in by_group:
+            order.append(row["group_id"])
+            by_group[row["group_id"]] = []
+        by_group[row["group_id"]].append(row)
+    if shuffle_seed is not None:
+        order.sort(key=lambda group_id: _group_key(shuffle_seed, group_id))
+    out = []
+    for step in range(steps):
+        groups = [by_group[g] for g in order[step * groups_per_step : (step + 1) * groups_per_step]]
+        if not groups:
+            break
+        out.append(groups)
+    return out
+
+
+def sampling_limit(row: dict) -> int:
+    return (row.get("sampling") or {}).get("max_tokens") or 0
+
+
+def batch_of(chosen: list[dict], step: StepTotals | None = None, idle: bool = False) -> TrainBatch:
+    return TrainBatch(
+        [r["prompt_token_ids"] for r in chosen],
+        [r["completion_token_ids"] for r in chosen],
+        [r["rollout_logprobs"] for r in chosen],
+        [r["advantage"] for r in chosen],
+        [r["token_policy_versions"] for r in chosen],
+        [float((r.get("sampling") or {}).get("top_p") or 1.0) for r in chosen],
+        step.max_tokens if step else max((sampling_limit(r) for r in chosen), default=0) or None,
+        step,
+        idle,
+    )
+
+
+def _group_key(seed: int, group_id: str) -> bytes:
+    return hashlib.blake2b(f"{seed}/{group_id}".encode(), digest_size=8).digest()
+
+
+class Collective:
+    """How one trainer's share of a step's figures becomes the step's. In one process the share is the
+    whole and every figure passes through untouched; a worker of a group (tasks/train_workers.py) sums,
+    maxes and gathers across the group."""
+
+    world, rank = 1, 0
+
+    def sum(self, values: list[float]) -> list[float]:
+        return values
+
+    def max(self, values: list[float]) -> list[float]:
+        return values
+
+    def gather(self, value: object) -> list:
+        return [value]
+
+
+ONE_PROCESS = Collective()
+
+
+def adamw(model, config: TrainConfig, state: dict | None = None) -> torch.optim.AdamW:
+    """The round's optimizer, continuing ``state`` (a plain ``state_dict``) when given."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
+    if state is not None:
+        optimizer.load_state_dict(state)
+    return schedule(optimizer, config)
+
+
+def schedule(optimizer: torch.optim.Optimizer, config: TrainConfig) -> torch.optim.Optimizer:
+    for group in optimizer.param_groups:  # a new round may change the schedule
+        group["lr"], group["weight_decay"] = config.learning_rate, config.weight_decay
+    return optimizer
+
+
+def train_policy(
+    model,
+    pad_token_id: int,
+    batches: list[TrainBatch],
+    config: TrainConfig,
+    temperature: float,
+    optimizer: torch.optim.Optimizer | dict | None,
+    current_version: int,
+    recompute: bool | list[bool],
+    ref_model=None,
+    progress=None,
+    *,
+    device: torch.device = CPU,
+    precision: str = "fp32",
+    collective: Collective = ONE_PROCESS,
+):
+    """Run the optimizer steps; returns (optimizer, stats).
+
+    ``optimizer``: one built over ``model`` (``adamw``), or the plain state to continue (None: fresh).
+    ``model`` and its optimizer live on ``device``; forward passes run under ``precision``'s autocast.
+    With a ``collective``, ``batches`` are this worker's shares of the step's minibatches (each naming
+    its whole minibatch's ``step`` totals) and every figure returned is the whole step's."""
+    torch.manual_seed(config.seed)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = adamw(model, config, optimizer)
+    # each group's prompt is encoded once and shared by its samples: about half the tokens of
+    # scoring every sample's full sequence (models/checkpoint.py, completion_logprobs)
+    packed = [pack_shared(b.prompt_ids, b.completion_ids, pad_token_id).to(device) for b in batches]
+    top_ps = [torch.tensor(b.top_p, dtype=torch.float32, device=device) for b in batches]  # [B] each
+    plan = recompute if isinstance(recompute, list) else [recompute] * len(batches)
+    forward = functools.partial(autocast, device, precision)
+    with torch.no_grad(), forward():  # trainer logprobs at the sampling weights, before any step moves them
+        proximal = [
+            completion_logprobs(model, p, temperature, nucleus) if wanted else None
+            for p, nucleus, wanted in zip(packed, top_ps, plan)
+        ]
+    settings = loss_settings(config)
+    history: dict[str, list[float]] = {
+        k: [] for k in ("loss", "clip_fraction", "grad_norm", "tis_mean", "tis_truncated_fraction", "kl", "ratio_mean")
+    }
+    lag_sum, lag_count, lag_max = 0.0, 0, 0.0
+    drift, stopped = 0.0, False
+    freshness: list[torch.Tensor] = []  # per minibatch: [N, 2] (version lag, log behaviour weight) of its tokens
+    mismatch: list[dict[str, float]] = []  # engine vs trainer, at the sampling weights
+    drifted: list[dict[str, float]] = []  # trainer before each first-pass update vs the sampling weights
+    # Forward passes stay in eval mode: dropout would make the trainer score another (random) policy
+    # than the engine sampled from, so the ratio would not be 1 at step 0, the mismatch figure would
+    # measure dropout noise, and the loss would depend on the RNG rather than on the stored rows.
+    model.eval()
+    schedule_ = [index for _ in range(config.epochs) for index in range(len(batches))]
+    for step, index in enumerate(schedule_):
+        batch, tokens = batches[index], packed[index]
+        width = tokens.completion_ids.shape[1]
+        mask = tokens.completion_mask.float()  # [B, C]
+        if (
+            batch.idle
+        ):  # a worker's stand-in rows when the minibatch has none for it (``shard``): they count for nothing
+            mask = torch.zeros_like(mask)
+        behaviour = right_padded(batch.behaviour, width).to(device)  # [B, C]
+        with forward():
+            logp = completion_logprobs(model, tokens, temperature, top_ps[index])  # [B, C]
+        sampling = behaviour if proximal[index] is None else proximal[index]  # the weights the rows came from
+        drift = policy_drift(logp.detach(), sampling, mask, collective)
+        if config.max_kl is not None and step > 0 and drift > config.max_kl:
+            stopped = True  # every round makes at least one update
+            break
+        ref = None
+        if ref_model is not None and config.kl_coef > 0:
+            with torch.no_grad(), forward():
+                ref = completion_logprobs(ref_model, tokens, temperature, top_ps[index])
+        # Engine vs trainer at the weights that sampled: every minibatch's proximal logprobs where they
+        # were recomputed, else the first minibatch before any update (the others are scored k updates
+        # past those weights). The round's own drift, trainer now against the sampling weights, is kept
+        # apart, so neither figure hides in the other. Only tokens sampled by the parent policy count: a
+        # carried-over token's gap is staleness, not mismatch. Later passes repeat the first's minibatches.
+        versions = right_padded(batch.policy_versions, width, fill=-1).to(device)  # [B, C]
+        current = (versions == current_version).float()  # [B, C]
+        if step < len(batches):
+            if proximal[index] is not None or step == 0:
+                at_sampling = logp.detach() if proximal[index] is None else proximal[index]
+                mismatch.append(logprob_mismatch(at_sampling, behaviour, mask * current))
+            drifted.append(logprob_mismatch(logp.detach(), sampling, mask * current))
+        on = mask.bool()
+        freshness.append(torch.stack([(current_version - versions)[on], (logp.detach() - behaviour)[on]], dim=-1).cpu())
+        inputs = LossInputs(
+            logp,
+            behaviour,
+            torch.tensor(batch.advantages, dtype=torch.float32, device=device),
+            mask,
+            proximal[index],
+            ref,
+            batch.max_tokens,
+            batch.step,
+        )
+        out = policy_loss(inputs, settings)
+        optimizer.zero_grad(set_to_none=True)
+        # a group averages its workers' gradients: each worker's share of the step's loss, times the
+        # group's size, averages to the step's gradient
+        (out.loss * collective.world if collective.world > 1 else out.loss).backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+        optimizer.step()
+        figures = [out.clip_fraction, out.tis_mean, out.tis_truncated_fraction, out.kl, out.ratio_mean]
+        loss, figures = step_figures(float(out.loss.detach()), figures, float(mask.sum()), collective)
+        for key, value in zip(history, [loss, figures[0], float(full_tensor(grad_norm)), *figures[1:]]):
+            history[key].append(value)
+        # Staleness in optimizer steps: the weights being trained are `step` steps past the round's
+        # starting policy, plus a whole round per policy version the token lags behind it.
+        lag = step + (current_version - versions[on]) * len(schedule_)  # [N] over the minibatch's tokens
+        lag_sum, lag_count = lag_sum + float(lag.sum()), lag_count + lag.numel()
+        lag_max = max(lag_max, float(lag.max()) if lag.numel() else 0.0)
+        if progress and collective.rank == 0 and (step + 1) % 8 == 0:
+            progress(f"train: step {step + 1}/{len(schedule_)} loss {loss:.4f}")
+    trained = set(schedule_[: len(history["loss"])])
+    samples = sum(len(batches[i].advantages) for i in trained if not batches[i].idle)
+    spanning = [len(set(v)) > 1 for b in batches if not b.idle for v in b.policy_versions]
+    lag_sum, lag_count, samples, spanned, shares = collective.sum(
+        [lag_sum, lag_count, samples, sum(spanning), len(spanning)]
+    )
+    (lag_max,) = collective.max([lag_max])
+    mismatch, drifted = (sum(collective.gather(parts), []) for parts in (mismatch, drifted))
+    freshness = [torch.cat(parts) for parts in collective.gather(freshness) if parts]
+    stats = {f"train/{k}": statistics.fmean(v) for k, v in history.items() if v}
+    pooled, drift_pooled = pooled_mismatch(mismatch), pooled_mismatch(drifted)
+    stats.update(
+        {
+            "train/steps": len(history["loss"]),
+            # the rows trained on, once each, whatever the passes
+            "train/samples": int(samples),
+            "train/drift_kl": drift,
+            "train/stopped_at_kl": float(stopped),
+            "train/mismatch_mean_abs": pooled["mean_abs"],
+            "train/mismatch_max_abs": pooled["max_abs"],
+            "train/mismatch_kl": pooled["kl"],
+            "train/mismatch_tokens": pooled["tokens"],
+            "train/drift_mean_abs": drift_pooled["mean_abs"],
+            "train/drift_max_abs": drift_pooled["max_abs"],
+            "train/staleness_mean_steps": lag_sum / lag_count if lag_count else 0.0,
+            "train/staleness_max_steps": lag_max,
+            "train/recomputed_proximal": statistics.fmean(plan) if plan else 0.0,
+            "train/samples_spanning_versions_share": spanned / shares if shares else 0.0,
+            **freshness_stats(torch.cat(freshness) if freshness else torch.zeros((0, 2)), config.tis_cap),
+        }
+    )
+    return optimizer, stats
+
+
+def step_figures(loss: float, figures: list[float], tokens: float, collective: Collective) -> tuple[float, list[float]]:
+    """A step's loss and token-mean figures from each worker's share: the loss shares add up, the means
+    weigh each worker by its tokens. In one process they are the figures as computed."""
+    if collective.world == 1:
+        return loss, figures
+    summed = collective.sum([loss, tokens, *(f * tokens for f in figures)])
+    return summed[0], [f / max(summed[1], 1.0) for f in summed[2:]]
+
+
+def full_tensor(value: torch.Tensor) -> torch.Tensor:
+    """A sharded (DTensor) scalar's value; a plain tensor as it is."""
+    return value.full_tensor() if hasattr(value, "full_tensor") else value
+
+
+def policy_drift(current, sampling, mask, collective: Collective = ONE_PROCESS) -> float:
+    """How far the weights being trained have moved from the sampling policy over one minibatch: the k3
+    estimate of KL(sampling || current), mean over its tokens (over every worker's share, in a group).
+    current, sampling, mask: [B, C]."""
+    with torch.no_grad():
+        log_ratio = (current - sampling) * mask
+        total, tokens = ((log_ratio.exp() - 1 - log_ratio) * mask).sum(), mask.sum()
+        if collective.world == 1:
+            return float(total / tokens.clamp(min=1.0))
+        total, tokens = collective.sum([float(total), float(tokens)])
+        return total / max(tokens, 1.0)
+
+
+def freshness_stats(tokens, tis_cap: float) -> dict[str, float]:
+    """How stale and how far off-policy the trained tokens were. ``tokens``: [N, 2], per trained token its
+    version lag (the trained policy's version minus the version that sampled it) and log(pi / mu), the
+    trainer's logprob at the step that used it minus the behaviour logprob.
+
+    The divergence figures compare the behaviour policy with the weights each token was trained at, so
+    they hold numerics, carried-over versions and the round's own drift (minibatch k is k steps past
+    the sampling weights); the k3 estimate is of KL(mu || pi) over tokens sampled from mu."""
+    if tokens.shape[0] == 0:
+        return {}
+    lag, log_w = tokens[:, 0].double(), tokens[:, 1].double()  # [N], [N]
+    weight = log_w.exp()
+    return {
+        "train/lag_versions_mean": float(lag.mean()),
+        "train/lag_versions_p50": float(torch.quantile(lag, 0.5)),
+        "train/lag_versions_p99": float(torch.quantile(lag, 0.99)),
+        "train/lag_versions_max": float(lag.max()),
+        "train/behaviour_kl_k3": float((weight - 1 - log_w).mean()),
+        "train/behaviour_weight_mean": float(weight.mean()),
+        "train/behaviour_weight_p99": float(torch.quantile(weight, 0.99)),
+        "train/behaviour_weight_over_cap": float((weight > tis_cap).double().mean()),
+    }
+
+
+def needs_proximal(
+    setting: str, rollout_dtype: str, engines: list[dict], top_ps: list[float] = (), stale_tokens: bool = False
+) -> bool:
+    """Whether to recompute the trainer's logprobs at the sampling weights (enables truncated IS).
+
+    'auto' skips it only when every sample came from the embedded engine at float32 without a nucleus
+    (top_p 1), whose logprobs match the trainer's to ~1e-6, and every token was sampled by the parent
+    policy. Any other engine (vLLM: other kernels, batching) or precision needs it; so does top_p < 1
+    (a 1e-6 difference in logits can move a token across the nucleus boundary, which changes the
+    renormaliser by that token's whole mass); and so do tokens of an older policy version (carried-over
+    partial rollouts): the PPO ratio is then taken against the parent policy and the truncated
+    importance weight corrects for the older behaviour policy.
+    """
+    if setting != "auto":
+        return setting == "always"
+    if stale_tokens or rollout_dtype != "float32" or any(p < 1.0 for p in top_ps):
+        return True
+    return any(
+        (e or {}).get("name", "embedded") != "embedded" or (e or {}).get("dtype", "float32") != "float32"
+        for e in engines
+    )
+
+
+def proximal_plan(
+    setting: str, rollout_dtype: str, engines: list[dict], batches: list[TrainBatch], current_version: int
+) -> list[bool]:
+    """Per minibatch, whether to recompute its proximal logprobs (``needs_proximal``'s rule, minibatch by
+    minibatch). The engine and precision are the round's, so they decide for every minibatch; a nucleus
+    or an older policy's tokens decide only for the minibatches holding them, and the pass then scores
+    the whole minibatch: scoring only its rows that need it would be cheaper, but a forward pass over
+    another set of rows rounds differently with another thread count, and a replay in a process of
+    another thread count would then not reproduce the round's weights bit for bit."""
+    if setting != "auto" or needs_proximal(setting, rollout_dtype, engines):
+        return [needs_proximal(setting, rollout_dtype, engines)] * len(batches)
+    return [
+        needs_proximal(
+            setting,
+            rollout_dtype,
+            [],
+            batch.top_p,
+            stale_tokens=any(v != current_version for versions in batch.policy_versions for v in versions),
+        )
+        for batch in batches
+    ]

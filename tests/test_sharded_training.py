@@ -1,0 +1,146 @@
+"""Sharded training (train.workers > 1): two gloo workers in processes of their own make the update one
+process makes, hold about half of its state each, and save checkpoints either can continue from.
+
+The workers here are plain processes (tests/group_harness.py); the Ray worker group that runs them in a
+campaign is tested in tests/test_train_group.py."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+GROUPS, SAMPLES = 5, 4  # with 2 groups per step: minibatches of 2, 2 and 1 groups (a worker idles in the last)
+
+
+def _rows(tokenizer, seed: int = 0) -> list[dict]:
+    """Kept rows of GROUPS groups: random prompts and completions of varied length, +-1 advantages."""
+    rng = random.Random(seed)
+    rows = []
+    for g in range(GROUPS):
+        prompt = [tokenizer.bos_token_id] + [rng.randrange(3, 12) for _ in range(rng.randrange(2, 6))]
+        for s in range(SAMPLES):
+            completion = [rng.randrange(3, 12) for _ in range(rng.randrange(1, 7))]
+            rows.append(
+                {
+                    "group_id": f"g{g}",
+                    "prompt_token_ids": prompt,
+                    "completion_token_ids": completion,
+                    "rollout_logprobs": [-2.3 + rng.uniform(-0.1, 0.1) for _ in completion],
+                    "advantage": 1.0 if s % 2 else -1.0,
+                    "token_policy_versions": [0] * len(completion),
+                    "sampling": {"top_p": 1.0, "max_tokens": 8},
+                }
+            )
+    return rows
+
+
+def _config(**train):
+    from tasks.config.train import TrainConfig
+
+    return TrainConfig(groups_per_step=2, steps_per_round=3, epochs=1, max_kl=None, learning_rate=1e-2, **train)
+
+
+def _one_process(parent: str, rows: list[dict], config, out: str) -> tuple[dict, dict]:
+    """Train in this process as a one-worker round does; save into ``out``; (stats, resident bytes)."""
+    from models.checkpoint import load_policy, save_policy
+    from models.sharded import resident_bytes
+    from tasks.train import load_optimizer, save_optimizer
+    from tasks.update import minibatches, train_policy
+
+    model, tokenizer = load_policy(parent)
+    batches = minibatches(rows, config.groups_per_step, config.steps_per_round)
+    optimizer, stats = train_policy(
+        model, tokenizer.pad_token_id, batches, config, 1.0, load_optimizer(parent, model), 0, [True] * len(batches)
+    )
+    memory = resident_bytes(model, optimizer)
+    save_policy(model, tokenizer, out)
+    save_optimizer(optimizer.state_dict(), out)
+    return stats, memory
+
+
+def _two_workers(parent: str, rows: list[dict], config, out: str) -> list:
+    from tests.group_harness import train_in_group
+
+    from tasks.train_workers import TrainJob, write_files
+    from tasks.update import minibatches, sharded_minibatches
+
+    steps = len(minibatches(rows, config.groups_per_step, config.steps_per_round))
+    shares = sharded_minibatches(rows, config.groups_per_step, config.steps_per_round, None, 2)
+    results = train_in_group(2, parent, shares, TrainJob([], config, 1.0, 0, [True] * steps))
+    write_files(out, {name: data for r in results for name, data in r.files.items()})
+    return results
+
+
+def _max_diff(a: str, b: str) -> tuple[float, float]:
+    from models.checkpoint import load_state_dict
+
+    left, right = load_state_dict(a), load_state_dict(b)
+    assert left.keys() == right.keys()
+    diffs = torch.cat([(left[k] - right[k]).abs().flatten() for k in left])
+    return float(diffs.max()), float(diffs.mean())
+
+
+@pytest.mark.parametrize("aggregation", ["token", "sequence", "dr_grpo"])
+def test_two_workers_make_the_update_one_makes(tiny_policy_dir, tmp_path, aggregation):
+    """Three steps (the last with one group, so one worker holds only a stand-in) at 2 workers land within
+    1e-5 of one process's weights, with the same figures; each worker holds at most 0.6x of one process's
+    parameter + gradient + optimizer-state bytes."""
+    from models.checkpoint import load_policy
+
+    _, tokenizer = load_policy(tiny_policy_dir)
+    rows, config = _rows(tokenizer), _config(aggregation=aggregation)
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    stats, memory = _one_process(tiny_policy_dir, rows, config, one)
+    results = _two_workers(tiny_policy_dir, rows, config, two)
+
+    worst, mean = _max_diff(one, two)
+    assert worst < 1e-5, f"2 workers moved the weights {worst:.2e} (max abs) from one process's update"
+    sharded = results[0].stats
+    assert sharded == results[1].stats, "every rank reports the whole step's figures"
+    assert sharded["train/steps"] == stats["train/steps"] == 3
+    assert sharded["train/samples"] == stats["train/samples"] == GROUPS * SAMPLES
+    assert sharded["train/mismatch_tokens"] == stats["train/mismatch_tokens"]
+    for key in ("train/loss", "train/clip_fraction", "train/grad_norm", "train/mismatch_mean_abs", "train/drift_kl"):
+        assert sharded[key] == pytest.approx(stats[key], rel=1e-4, abs=1e-6), key
+    whole = sum(memory.values())
+    for r in results:
+        assert sum(r.memory.values()) <= 0.6 * whole, f"rank {r.rank} holds {r.memory} of {memory}"
+
+
+def test_checkpoints_continue_across_worker_counts(tiny_policy_dir, tmp_path):
+    """A 2-worker checkpoint (optimizer state as DCP shards) continues in one process, and a one-process
+    checkpoint (optimizer.pt) on 2 workers: a second round from either lands where one process lands."""
+    from models.checkpoint import load_policy
+    from models.sharded import OPTIMIZER_DIR, OPTIMIZER_FILE
+    from tasks.train import load_optimizer
+
+    _, tokenizer = load_policy(tiny_policy_dir)
+    config = _config()
+    first, second = _rows(tokenizer, seed=1), _rows(tokenizer, seed=2)
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    _one_process(tiny_policy_dir, first, config, one)
+    _two_workers(tiny_policy_dir, first, config, two)
+    assert os.path.isdir(os.path.join(two, OPTIMIZER_DIR)) and not os.path.exists(os.path.join(two, OPTIMIZER_FILE))
+
+    model = load_policy(two)[0]  # the sharded round's state, read back in one process
+    plain, reference = load_optimizer(two, model), load_optimizer(one, model)
+    assert plain["state"].keys() == reference["state"].keys()
+    for index, state in reference["state"].items():
+        assert float(plain["state"][index]["step"]) == float(state["step"]) == 3
+        assert torch.allclose(plain["state"][index]["exp_avg"], state["exp_avg"], atol=1e-6)
+
+    runs = {
+        "one -> one": (one, _one_process),
+        "two -> one": (two, _one_process),
+        "one -> two": (one, _two_workers),
+        "two -> two": (two, _two_workers),
+    }
+    for name, (parent, train) in runs.items():
+        train(parent, second, config, str(tmp_path / name))
+    for name in ("two -> one", "one -> two", "two -> two"):
+        worst, _ = _max_diff(str(tmp_path / "one -> one"), str(tmp_path / name))
+        assert worst < 1e-5, f"{name}: {worst:.2e} from one process's two rounds"

@@ -63,10 +63,9 @@ def _one_process(parent: str, rows: list[dict], config, out: str) -> tuple[dict,
 
 
 def _two_workers(parent: str, rows: list[dict], config, out: str) -> list:
-    from tests.group_harness import train_in_group
-
     from tasks.train_workers import TrainJob, write_files
     from tasks.update import minibatches, sharded_minibatches
+    from tests.group_harness import train_in_group
 
     steps = len(minibatches(rows, config.groups_per_step, config.steps_per_round))
     shares = sharded_minibatches(rows, config.groups_per_step, config.steps_per_round, None, 2)

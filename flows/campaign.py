@@ -27,6 +27,7 @@ from storage.paths import StorageRoot
 from storage.settings import settings
 from tasks.engines import released_engines
 from tasks.start import StartPoint
+from tasks.train_workers import released_workers
 
 log = logging.getLogger("rlrounds")
 
@@ -111,7 +112,10 @@ def rl_campaign(
     if owner.generation:
         log.info("resuming campaign %s (takeover %d)", run_id, owner.generation)
     try:
-        with released_engines():  # the serving engine lives as long as the campaign, not the worker process
+        with (
+            released_engines(),
+            released_workers(),
+        ):  # the serving engine lives as long as the campaign, not the worker process
             return campaign_rounds(config, storage, run_id, code_version(), owner)
     finally:
         release(owner)

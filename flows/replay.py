@@ -22,6 +22,7 @@ from storage.settings import settings
 from tasks.config.refilter import RefilterRequest, ReverifyRequest
 from tasks.engines import released_engines
 from tasks.results import Reverified, TrajectoryVersion
+from tasks.train_workers import released_workers
 
 
 @flow(name="rl-replay", validate_parameters=True)
@@ -46,7 +47,7 @@ def rl_replay(request: ReplayRequest, storage: str | None = None) -> dict:
         code_version=code_version(),
         flow_run_id=str(flow_run.id or "none"),
     )
-    with released_engines():  # an engine the evaluation starts does not outlive the replay
+    with released_engines(), released_workers():  # engines and trainer workers do not outlive the replay
         trained = train_task(
             ctx=plan.context,
             trajectory_uri=plan.trajectory_uri,
@@ -55,6 +56,8 @@ def rl_replay(request: ReplayRequest, storage: str | None = None) -> dict:
             rollout_dtype=plan.rollout_dtype,
             lineage_extra=plan.lineage_extra,
             target_checkpoint=plan.checkpoint,
+            device=rc.device,
+            ray_address=rc.rollout.ray_address,
         )
         published = publish_replay_task(
             plan=plan,

@@ -170,6 +170,8 @@ def rl_round(
             config=config.train,
             temperature=config.rollout.temperature,
             rollout_dtype=config.rollout.dtype,
+            device=config.device,
+            ray_address=config.rollout.ray_address,
         )
         if upcoming is not None:
             upcoming.next_policy.committed()

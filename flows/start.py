@@ -18,6 +18,7 @@ from storage.paths import StorageRoot
 from storage.settings import settings
 from tasks.engines import released_engines
 from tasks.start import BASE
+from tasks.train_workers import released_workers
 
 
 @flow(name="rl-round-from", validate_parameters=True)
@@ -55,7 +56,7 @@ def rl_round_from(
     preflight_task(config=config, storage=root.uri)
     owner = claim(root, run_id, campaign.model_dump(mode="json"), identity, "auto")
     try:
-        with released_engines():
+        with released_engines(), released_workers():
             if resolved == BASE:  # the base registered as round 0, then rounds 1..N: a campaign from the base
                 return campaign_rounds(campaign, root.uri, run_id, code_version(), owner)
             parent = resolve_start_task(storage=root.uri, start=resolved)

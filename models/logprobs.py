@@ -189,7 +189,7 @@ def completion_logprobs(
     batch: SharedPromptBatch,
     temperature: float = 1.0,
     top_p: torch.Tensor | None = None,
-    padding_budget: int = COMPLETION_PADDING_BUDGET,
+    padding_budget: int | None = COMPLETION_PADDING_BUDGET,
 ) -> torch.Tensor:
     """Log-probabilities of each completion token under the sampling distribution: [B, C].
 
@@ -197,8 +197,10 @@ def completion_logprobs(
     the cost when samples share prompts: each distinct prompt runs once ([G, P]), its cache is
     gathered to one row per sample (a differentiable index, so gradients from every sample flow back
     into the shared prompt pass), and only the completions run on top of it, in chunks of similar
-    length (``length_chunks``) so that a few long completions do not pad every row. Position ids
-    continue each prompt's own length, as the engine's do."""
+    length (``length_chunks``) so that a few long completions do not pad every row; ``padding_budget``
+    None runs them as one chunk, so the model is called twice whatever the rows (what the workers of a
+    sharded group need: each call gathers the weights from all of them). Position ids continue each
+    prompt's own length, as the engine's do."""
     positions = (batch.prompt_mask.cumsum(-1) - 1).clamp(min=0)
     prompt_out = model(
         input_ids=batch.prompt_ids, attention_mask=batch.prompt_mask, position_ids=positions, use_cache=True
@@ -208,9 +210,8 @@ def completion_logprobs(
     prompt_kv = [(layer.keys, layer.values) for layer in layers] if layers is not None else None
     lengths = batch.completion_mask.sum(-1)  # [B]
     rows, width = batch.completion_ids.shape
-    chunks = (
-        length_chunks(lengths, padding_budget) if prompt_kv is not None else [torch.arange(rows, device=lengths.device)]
-    )
+    chunked = prompt_kv is not None and padding_budget is not None
+    chunks = length_chunks(lengths, padding_budget) if chunked else [torch.arange(rows, device=lengths.device)]
     pieces = []
     for chunk in chunks:
         owner = batch.owner.index_select(0, chunk)  # [n]

@@ -65,6 +65,8 @@ def run_publish(
         ctx.mlflow_run_id, f"trajectories-{ctx.run_id}-r{ctx.round}", trajectory_version, trajectory_uri
     )
     tags = lineage_tags(ctx, trajectory_version=trajectory_version, line=config.line or "")
+    trained_on = checkpoints.read_lineage(root, checkpoint).get("trained_on") or {}  # workers, device, precision
+    tags.update({f"trained_on.{key}": str(value) for key, value in trained_on.items()})
     name = config.registered_name
     version = tracker.register(name, checkpoint, ctx.mlflow_run_id, tags)
     registered = time.time()

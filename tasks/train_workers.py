@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import pickle
 import socket
 import tempfile
 import threading
@@ -31,8 +32,9 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
-from models.checkpoint import load_policy, save_policy
+from models.checkpoint import load_policy, save_policy, set_threads
 from models.device import distributed_backend, resolve_device, resolve_precision
 from models.sharded import (
     OPTIMIZER_DIR,
@@ -181,6 +183,37 @@ class TrainWorker:
             dist.destroy_process_group()
 
 
+def train_in_processes(
+    world: int, parent_dir: str, shares: list[list[TrainBatch]], job: TrainJob
+) -> list[WorkerResult]:
+    """A group of ``world`` CPU workers as processes of this machine, joined by gloo, without Ray: each rank's
+    ``WorkerResult`` after training its ``shares`` from ``parent_dir``. For tests and benchmarks; campaigns
+    use ``WorkerGroup``."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    with tempfile.TemporaryDirectory(prefix="rlrounds-group-") as out:
+        parent = read_files(parent_dir)
+        mp.spawn(_process_worker, args=(world, address, parent, shares, job, out), nprocs=world, join=True)
+        results = []
+        for rank in range(world):
+            with open(os.path.join(out, f"{rank}.pkl"), "rb") as f:
+                results.append(pickle.load(f))
+    return results
+
+
+def _process_worker(rank: int, world: int, address: str, parent: dict, shares: list, job: TrainJob, out: str) -> None:
+    set_threads(max(1, (os.cpu_count() or 1) // world))  # the machine's cores shared out, as Ray shares them
+    worker = TrainWorker("cpu")
+    worker.join(rank, world, address, timeout_s=COLLECTIVE_TIMEOUT_S)
+    try:
+        result = worker.train(parent, dataclasses.replace(job, shares=shares[rank]))
+    finally:
+        worker.leave()
+    with open(os.path.join(out, f"{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+
+
 def node_address() -> str:
     """This node's address as the cluster reaches it (Ray's view when in a Ray worker)."""
     try:
@@ -280,10 +313,11 @@ class WorkerGroup:
                 rank = rank_of[done[0]]
                 place = self.places[rank] if rank < len(self.places) else {}
                 where = f" on {place['host']} (pid {place['pid']})" if "host" in place else ""
+                workers = len(self.actors)
                 self.close()
                 reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
                 raise TrainWorkerError(
-                    f"trainer worker {rank} of {len(self.actors)}{where} failed during {what}: {reason[:300]}. "
+                    f"trainer worker {rank} of {workers}{where} failed during {what}: {reason[:300]}. "
                     "The group was stopped and nothing was committed; `rlrounds run --resume RUN_ID` trains the "
                     "round again on a new group"
                 ) from None

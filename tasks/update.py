@@ -12,12 +12,13 @@ from __future__ import annotations
 import functools
 import hashlib
 import statistics
+import time
 from dataclasses import dataclass
 
 import torch
 
 from models.device import autocast
-from models.logprobs import completion_logprobs, pack_shared, right_padded
+from models.logprobs import COMPLETION_PADDING_BUDGET, completion_logprobs, pack_shared, right_padded
 from models.loss import LossInputs, LossSettings, StepTotals, logprob_mismatch, policy_loss, pooled_mismatch
 from tasks.config.train import TrainConfig
 
@@ -168,6 +169,7 @@ def train_policy(
     With a ``collective``, ``batches`` are this worker's shares of the step's minibatches (each naming
     its whole minibatch's ``step`` totals) and every figure returned is the whole step's."""
     torch.manual_seed(config.seed)
+    started = time.perf_counter()
     if not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = adamw(model, config, optimizer)
     # each group's prompt is encoded once and shared by its samples: about half the tokens of
@@ -176,9 +178,14 @@ def train_policy(
     top_ps = [torch.tensor(b.top_p, dtype=torch.float32, device=device) for b in batches]  # [B] each
     plan = recompute if isinstance(recompute, list) else [recompute] * len(batches)
     forward = functools.partial(autocast, device, precision)
+    # a sharded model gathers its weights at every call, so each worker must call it as often as the others:
+    # one completion chunk whatever its rows' lengths
+    score = functools.partial(
+        completion_logprobs, padding_budget=None if collective.world > 1 else COMPLETION_PADDING_BUDGET
+    )
     with torch.no_grad(), forward():  # trainer logprobs at the sampling weights, before any step moves them
         proximal = [
-            completion_logprobs(model, p, temperature, nucleus) if wanted else None
+            score(model, p, temperature, nucleus) if wanted else None
             for p, nucleus, wanted in zip(packed, top_ps, plan)
         ]
     settings = loss_settings(config)
@@ -205,7 +212,7 @@ def train_policy(
             mask = torch.zeros_like(mask)
         behaviour = right_padded(batch.behaviour, width).to(device)  # [B, C]
         with forward():
-            logp = completion_logprobs(model, tokens, temperature, top_ps[index])  # [B, C]
+            logp = score(model, tokens, temperature, top_ps[index])  # [B, C]
         sampling = behaviour if proximal[index] is None else proximal[index]  # the weights the rows came from
         drift = policy_drift(logp.detach(), sampling, mask, collective)
         if config.max_kl is not None and step > 0 and drift > config.max_kl:
@@ -271,6 +278,7 @@ def train_policy(
     stats.update(
         {
             "train/steps": len(history["loss"]),
+            "train/update_s": time.perf_counter() - started,  # scoring and optimizer steps, the figures' gathering
             # the rows trained on, once each, whatever the passes
             "train/samples": int(samples),
             "train/drift_kl": drift,

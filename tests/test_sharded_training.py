@@ -1,7 +1,7 @@
 """Sharded training (train.workers > 1): two gloo workers in processes of their own make the update one
 process makes, hold about half of its state each, and save checkpoints either can continue from.
 
-The workers here are plain processes (tests/group_harness.py); the Ray worker group that runs them in a
+The workers here are plain processes (tasks.train_workers.train_in_processes); the Ray worker group that runs them in a
 campaign is tested in tests/test_train_group.py."""
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ def _rows(tokenizer, seed: int = 0) -> list[dict]:
     for g in range(GROUPS):
         prompt = [tokenizer.bos_token_id] + [rng.randrange(3, 12) for _ in range(rng.randrange(2, 6))]
         for s in range(SAMPLES):
-            completion = [rng.randrange(3, 12) for _ in range(rng.randrange(1, 7))]
+            longest = 40 if g == 1 else 6  # one group's long answers: its worker's shares run more chunks alone
+            completion = [rng.randrange(3, 12) for _ in range(rng.randrange(1, longest + 1))]
             rows.append(
                 {
                     "group_id": f"g{g}",
@@ -41,7 +42,7 @@ def _rows(tokenizer, seed: int = 0) -> list[dict]:
 def _config(**train):
     from tasks.config.train import TrainConfig
 
-    return TrainConfig(groups_per_step=2, steps_per_round=3, epochs=1, max_kl=None, learning_rate=1e-2, **train)
+    return TrainConfig(groups_per_step=2, steps_per_round=3, epochs=1, max_kl=None, learning_rate=1e-3, **train)
 
 
 def _one_process(parent: str, rows: list[dict], config, out: str) -> tuple[dict, dict]:
@@ -63,13 +64,12 @@ def _one_process(parent: str, rows: list[dict], config, out: str) -> tuple[dict,
 
 
 def _two_workers(parent: str, rows: list[dict], config, out: str) -> list:
-    from tasks.train_workers import TrainJob, write_files
+    from tasks.train_workers import TrainJob, train_in_processes, write_files
     from tasks.update import minibatches, sharded_minibatches
-    from tests.group_harness import train_in_group
 
     steps = len(minibatches(rows, config.groups_per_step, config.steps_per_round))
     shares = sharded_minibatches(rows, config.groups_per_step, config.steps_per_round, None, 2)
-    results = train_in_group(2, parent, shares, TrainJob([], config, 1.0, 0, [True] * steps))
+    results = train_in_processes(2, parent, shares, TrainJob([], config, 1.0, 0, [True] * steps))
     write_files(out, {name: data for r in results for name, data in r.files.items()})
     return results
 
@@ -99,7 +99,8 @@ def test_two_workers_make_the_update_one_makes(tiny_policy_dir, tmp_path, aggreg
     worst, mean = _max_diff(one, two)
     assert worst < 1e-5, f"2 workers moved the weights {worst:.2e} (max abs) from one process's update"
     sharded = results[0].stats
-    assert sharded == results[1].stats, "every rank reports the whole step's figures"
+    untimed = [{k: v for k, v in r.stats.items() if not k.endswith("_s")} for r in results]
+    assert untimed[0] == untimed[1], "every rank reports the whole step's figures"
     assert sharded["train/steps"] == stats["train/steps"] == 3
     assert sharded["train/samples"] == stats["train/samples"] == GROUPS * SAMPLES
     assert sharded["train/mismatch_tokens"] == stats["train/mismatch_tokens"]
@@ -130,7 +131,7 @@ def test_checkpoints_continue_across_worker_counts(tiny_policy_dir, tmp_path):
     assert plain["state"].keys() == reference["state"].keys()
     for index, state in reference["state"].items():
         assert float(plain["state"][index]["step"]) == float(state["step"]) == 3
-        assert torch.allclose(plain["state"][index]["exp_avg"], state["exp_avg"], atol=1e-6)
+        assert torch.allclose(plain["state"][index]["exp_avg"], state["exp_avg"], rtol=1e-4, atol=1e-5)
 
     runs = {
         "one -> one": (one, _one_process),

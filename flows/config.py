@@ -170,6 +170,8 @@ class CampaignConfig(Config):
         rule may change, so a finished campaign can be extended with `--resume RUN_ID --rounds N`."""
         shape = self.round.model_dump(mode="json")
         shape.pop("device")  # where it computes: a CPU campaign may be resumed on a GPU machine
+        for field in PLACEMENT_FIELDS["rollout"]:  # likewise how much of a GPU, and how many, the engine takes
+            shape["rollout"].pop(field)
         for field, default in IDENTITY_SINCE.items():  # campaigns recorded before these fields still resume
             if shape["train"][field] == default:
                 shape["train"].pop(field)
@@ -184,6 +186,9 @@ class CampaignConfig(Config):
             )
         return v
 
+
+PLACEMENT_FIELDS = {"rollout": ("gpu_memory_utilization", "tensor_parallel_size")}
+"""Fields that say how much hardware a stage takes, not what it computes: never part of a campaign's identity."""
 
 IDENTITY_SINCE = {"workers": 1, "precision": "auto"}
 """Train fields added after campaigns were first recorded: left out of a campaign's identity at these values,

@@ -11,6 +11,12 @@ worker does not keep a vLLM engine holding its memory after the campaign. Engine
 Either kind can run as N replicas, each a Ray actor (models/engines/replicas.py), when ``replicas > 1`` or a
 Ray address is given: ``ray_address`` attaches to that cluster, otherwise a local Ray is started.
 The replica set is used exactly like one engine: each is a ``RolloutEngine`` (models/engines/types.py).
+
+Weights from memory. The trainer writes every checkpoint, and may also hand the same weights over in
+memory (``offer_weights``): the next load of that checkpoint into an engine that takes weights from
+memory (vLLM on GPUs, a ``WeightReceiver``) serves the tensors instead of reading the files. An offer
+is used once, by the first engine to load that checkpoint; everything else (a CPU engine, a second
+engine, a resumed round in a fresh process) reads the checkpoint as before.
 """
 
 from __future__ import annotations
@@ -20,13 +26,14 @@ import functools
 import json
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from models.engines.types import RolloutEngine, UpdateKV
+from models.engines.types import RolloutEngine, UpdateKV, WeightReceiver
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PreTrainedTokenizerBase
 
 from transformers import AutoTokenizer
@@ -41,10 +48,13 @@ ENGINES = ("embedded", "vllm")
 
 @dataclass(frozen=True)
 class Placement:
-    """Where an engine runs: in this process, or as ``replicas`` Ray actors."""
+    """Where an engine runs: in this process, or as ``replicas`` Ray actors; and, for vLLM on GPUs, the
+    share of each device it takes and the devices one engine spans (tensor parallelism)."""
 
     replicas: int = 1
     ray_address: str | None = None
+    gpu_memory_utilization: float = 0.45
+    tensor_parallel_size: int = 1
 
     @property
     def uses_ray(self) -> bool:
@@ -95,9 +105,17 @@ def load_tokenizer(local_dir: str) -> PreTrainedTokenizerBase:
 
 
 def build_engine(
-    kind: str, local_dir: str, dtype: str, policy_version: int, max_batch: int = 1024, update_kv: UpdateKV = "recompute"
+    kind: str,
+    local_dir: str,
+    dtype: str,
+    policy_version: int,
+    max_batch: int = 1024,
+    update_kv: UpdateKV = "recompute",
+    placement: Placement = Placement(),
+    in_replica: bool = False,
 ) -> RolloutEngine:
-    """One engine in this process. Module-level and picklable by reference: Ray replicas call it."""
+    """One engine in this process. Module-level and picklable by reference: Ray replicas call it
+    (``in_replica``: a vLLM engine on GPUs then takes weights from memory over NCCL, not CUDA IPC)."""
     if kind == "embedded":
         model, tokenizer = load_policy(local_dir, dtype=dtype)
         return EmbeddedEngine(
@@ -105,7 +123,16 @@ def build_engine(
         )
     if kind == "vllm":
         try:
-            return VLLMEngine(local_dir, dtype, policy_version, max_batch, update_kv=update_kv)
+            return VLLMEngine(
+                local_dir,
+                dtype,
+                policy_version,
+                max_batch,
+                update_kv=update_kv,
+                gpu_memory_utilization=placement.gpu_memory_utilization,
+                tensor_parallel_size=placement.tensor_parallel_size,
+                transfer="nccl" if in_replica else "ipc",
+            )
         except ModuleNotFoundError as exc:  # pragma: no cover -- only without vllm installed
             if exc.name != "vllm":
                 raise
@@ -127,7 +154,7 @@ def make_engine(
         raise ValueError(f"unknown engine {kind!r}; use one of: {', '.join(ENGINES)}")
     tokenizer = load_tokenizer(local_dir)
     if not placement.uses_ray:
-        return build_engine(kind, local_dir, dtype, policy_version, max_batch, update_kv), tokenizer
+        return build_engine(kind, local_dir, dtype, policy_version, max_batch, update_kv, placement), tokenizer
     return start_replicas(kind, local_dir, dtype, policy_version, max_batch, placement), tokenizer
 
 
@@ -139,11 +166,14 @@ def start_replicas(
 
     connect_ray(placement)
     resources, free = ray.cluster_resources(), ray.available_resources()
-    gpus = 1.0 if kind == "vllm" and resources.get("GPU", 0) >= placement.replicas else 0.0
+    per_replica = float(placement.tensor_parallel_size)
+    gpus = per_replica if kind == "vllm" and resources.get("GPU", 0) >= per_replica * placement.replicas else 0.0
     # The CPUs free now, shared out: replicas that asked for more than is free would wait forever for
     # actors that hold the rest (e.g. an earlier replica set not yet released).
     cpus = min(resources.get("CPU", 1), free.get("CPU", 0)) / placement.replicas  # 0 when none is free
-    build = functools.partial(build_engine, kind, local_dir, dtype, policy_version, max_batch)
+    build = functools.partial(
+        build_engine, kind, local_dir, dtype, policy_version, max_batch, placement=placement, in_replica=True
+    )
     # A call should give a replica about one engine batch of samples; the samples per group are not
     # known here, so assume the default 8 (calls are pipelined two deep, so a guess suffices).
     return ReplicaRouter.start(build, placement.replicas, cpus, gpus, groups_per_call=max(1, max_batch // 8))
@@ -172,13 +202,15 @@ def serving_engine(
     placement: Placement | None = None,
     role: str = "rollout",
     update_kv: UpdateKV = "recompute",
+    weights: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[RolloutEngine, PreTrainedTokenizerBase, float]:
     """The live engine for (role, kind, dtype), serving ``policy_version``; returns (engine, tokenizer, pause_s).
 
     A new engine is built the first time; afterwards new weights are loaded in place and the seconds
     the engine could not serve are returned (0 when it already served this version). ``placement``
     None means "wherever the live engine runs" (publish and evaluate); a different explicit placement
-    replaces the live engine.
+    replaces the live engine. ``weights``: the same weights as ``local_dir``'s, in memory (``offered``);
+    an engine that takes weights from memory serves them, any other reads ``local_dir``.
     """
     if role not in ROLES:
         raise ValueError(f"unknown engine role {role!r}; use one of: {', '.join(ROLES)}")
@@ -196,9 +228,39 @@ def serving_engine(
         entry.engine.configure(max_batch, update_kv)
         if entry.engine.policy_version == policy_version and entry.local_dir == local_dir:
             return entry.engine, entry.tokenizer, 0.0
-        pause = entry.engine.load_weights(local_dir, policy_version)
+        if weights is not None and takes_weights_from_memory(entry.engine):
+            pause = entry.engine.push_weights(weights, policy_version)
+        else:
+            pause = entry.engine.load_weights(local_dir, policy_version)
         entry.local_dir = local_dir
         return entry.engine, entry.tokenizer, pause
+
+
+def takes_weights_from_memory(engine: RolloutEngine) -> bool:
+    """Whether ``engine`` serves new weights from the trainer's memory (vLLM on GPUs) rather than a checkpoint."""
+    return isinstance(engine, WeightReceiver) and engine.weights_from_memory
+
+
+# -- weights handed over in memory ------------------------------------------------------------------
+
+_offered: dict[str, Mapping[str, torch.Tensor]] = {}  # checkpoint URI -> its weights; one at a time
+
+
+def offer_weights(checkpoint: str, weights: Mapping[str, torch.Tensor]) -> None:
+    """Hand the weights of committed checkpoint ``checkpoint`` (its URI) over in memory: Hugging Face
+    parameter names -> tensors on the trainer's GPU (CPU tensors are accepted and simply not pushed to a
+    GPU engine faster than a reload). The trainer calls it after committing the checkpoint, with
+    exactly the weights it wrote, and leaves the tensors unchanged until the checkpoint's publish has
+    loaded them. An offer replaces the one before, so at most one model's tensors are held here."""
+    with _lock:
+        _offered.clear()
+        _offered[checkpoint] = weights
+
+
+def offered(checkpoint: str) -> Mapping[str, torch.Tensor] | None:
+    """The weights offered for ``checkpoint``, handed out once (None: read the checkpoint)."""
+    with _lock:
+        return _offered.pop(checkpoint, None)
 
 
 def close_engine(engine: RolloutEngine) -> None:
@@ -226,5 +288,6 @@ def drop_serving_engines() -> None:
     with _lock:
         entries = list(_serving.values())
         _serving.clear()
+        _offered.clear()
     for entry in entries:
         close_engine(entry.engine)

@@ -3,6 +3,9 @@ live rollout engine serve it.
 
 Two costs are measured apart: ``publish/latency_s`` (checkpoint committed -> registered -> engine
 serving it) and ``publish/engine_pause_s`` (the part of that during which the engine could not serve).
+On GPUs a vLLM engine takes the weights from the trainer's memory when the trainer offered them
+(``tasks.engines.offer_weights``), not from the checkpoint files; ``publish/weights_from_memory`` says
+which (1 or 0). The checkpoint is written and registered either way: lineage reads it.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from storage.settings import settings
 from storage.tracking import LINE_TAG, Tracker
 from tasks.config.publish import PublishConfig
 from tasks.context import RoundContext
-from tasks.engines import serving_engine
+from tasks.engines import offered, serving_engine, takes_weights_from_memory
 from tasks.results import NotInput, Published
 
 
@@ -73,6 +76,10 @@ def run_publish(
     stats = {"publish/register_s": registered - start}
     if load_engine:
         local = checkpoints.local_copy(root, checkpoint)
-        _, _, stats["publish/engine_pause_s"] = serving_engine(engine, local, engine_dtype, ctx.round, max_batch)
+        weights = offered(checkpoint)
+        served, _, stats["publish/engine_pause_s"] = serving_engine(
+            engine, local, engine_dtype, ctx.round, max_batch, weights=weights
+        )
+        stats["publish/weights_from_memory"] = float(weights is not None and takes_weights_from_memory(served))
     stats["publish/latency_s"] = time.time() - committed_at
     return Published(model_version=f"{name}/{version}", stats=stats)

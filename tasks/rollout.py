@@ -366,7 +366,7 @@ def run_rollout(
         rollout.dtype,
         start_version,
         rollout.max_batch,
-        Placement(rollout.replicas, rollout.ray_address),
+        Placement(rollout.replicas, rollout.ray_address, rollout.gpu_memory_utilization, rollout.tensor_parallel_size),
         update_kv=rollout.update_kv,
     )
     result = generate_and_verify(

@@ -74,3 +74,107 @@ def test_config_takes_vllm_and_replicas_and_names_bad_values():
         load_campaign_config(None, round={"rollout": {"engine": "sglang"}})
     with pytest.raises(ConfigError, match="serving_dtype"):
         load_campaign_config(None, round={"evaluate": {"serving_dtype": "fp8"}})
+
+
+# -- vLLM on GPUs: sizing, the NCCL group's ranks, weights handed over in memory
+
+
+@pytest.mark.parametrize(
+    "share, tp, expected",
+    [
+        (0.45, 1, {"gpu_memory_utilization": 0.45, "tensor_parallel_size": 1}),  # the default: one engine-core worker
+        (0.8, 2, {"gpu_memory_utilization": 0.8, "tensor_parallel_size": 2, "distributed_executor_backend": "mp"}),
+    ],
+)
+def test_vllm_gpu_sizing_comes_from_config(monkeypatch, share, tp, expected):
+    from models.engines.vllm_engine import default_engine_args
+
+    monkeypatch.delenv("RLROUNDS_VLLM_ARGS", raising=False)
+    assert default_engine_args(False, share, tp) == expected
+    assert "gpu_memory_utilization" not in default_engine_args(True, share, tp)  # the CPU build sizes by bytes
+
+
+@pytest.mark.parametrize(
+    "workers, expected",
+    [
+        ([1], [0]),  # one replica: its worker follows the trainer (rank 1)
+        ([1, 1, 1], [0, 1, 2]),  # three single-GPU replicas: ranks 1, 2, 3
+        ([2, 4], [0, 2]),  # tensor-parallel replicas: ranks 1-2, then 3-6
+    ],
+)
+def test_replica_rank_offsets(workers, expected):
+    from models.engines.replicas import rank_offsets
+
+    assert rank_offsets(workers) == expected
+
+
+def test_offered_weights_are_handed_out_once_and_only_for_their_checkpoint():
+    from tasks import engines
+
+    weights = {"w": object()}
+    engines.offer_weights("root/ckpt-r1", weights)
+    assert engines.offered("root/ckpt-r0") is None  # another checkpoint: read its files
+    assert engines.offered("root/ckpt-r1") is weights
+    assert engines.offered("root/ckpt-r1") is None  # used once
+    engines.offer_weights("root/ckpt-r1", weights)
+    engines.offer_weights("root/ckpt-r2", {})  # a newer offer releases the older one
+    assert engines.offered("root/ckpt-r1") is None
+
+
+class _Receiver:
+    """An engine that takes weights from memory, recording how each version arrived."""
+
+    def __init__(self, from_memory: bool):
+        self.weights_from_memory = from_memory
+        self.policy_version = 0
+        self.arrived: list[tuple[str, int]] = []
+
+    def configure(self, max_batch, update_kv):
+        pass
+
+    def load_weights(self, checkpoint_dir, policy_version):
+        self.arrived.append(("checkpoint", policy_version))
+        self.policy_version = policy_version
+        return 0.5
+
+    def push_weights(self, weights, policy_version):
+        self.arrived.append(("memory", policy_version))
+        self.policy_version = policy_version
+        return 0.25
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize(
+    "from_memory, offered, expected",
+    [
+        (True, True, ("memory", 0.25)),  # vLLM on a GPU, weights offered: pushed
+        (True, False, ("checkpoint", 0.5)),  # nothing offered (a resumed round): the checkpoint reloads
+        (False, True, ("checkpoint", 0.5)),  # on a CPU: the checkpoint reloads, as before
+    ],
+)
+def test_a_live_engine_takes_offered_weights_only_when_it_can(
+    monkeypatch, tiny_policy_dir, from_memory, offered, expected
+):
+    from tasks import engines
+
+    engine = _Receiver(from_memory)
+    monkeypatch.setattr(engines, "make_engine", lambda *a, **k: (engine, None))
+    try:
+        engines.serving_engine("vllm", tiny_policy_dir, "float32", 0)
+        weights = {"w": None} if offered else None
+        _, _, pause = engines.serving_engine("vllm", tiny_policy_dir, "float32", 1, weights=weights)
+        assert (engine.arrived[-1][0], pause) == expected and engine.policy_version == 1
+    finally:
+        engines.drop_serving_engines()
+
+
+def test_gpu_sizing_is_placement_not_identity():
+    from flows.config import CampaignConfig
+
+    default = CampaignConfig()
+    sized = CampaignConfig.model_validate(
+        {"round": {"rollout": {"gpu_memory_utilization": 0.8, "tensor_parallel_size": 2}}}
+    )
+    assert sized.identity() == default.identity()  # a campaign may resume with another GPU share or TP

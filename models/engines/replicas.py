@@ -19,6 +19,13 @@ concurrency group, so it runs while ``stream`` is busy), which then stream back 
 Checkpoint directories passed to ``load_weights`` must be readable by every replica's node: local
 paths on a one-machine cluster, a shared filesystem otherwise. New weights load between calls only:
 a replica set takes no ``update`` in flight (overlap mode runs one engine in the rollout's process).
+
+vLLM replicas on GPUs also take weights from memory (``push_weights``): this process, holding the
+trainer's tensors on its GPU, is rank 0 of one NCCL group with every replica's workers (replica ``i``'s
+tensor-parallel workers after those of replicas before it), set up at the first push by vLLM's trainer
+engine (``NCCLTrainerWeightTransferEngine``: a ``StatelessProcessGroup`` rendezvous on a free port of this
+node, then a ``PyNcclCommunicator``), and each update is one broadcast per tensor, received by all
+replicas at once. The trainer's GPU must be one no replica holds (NCCL refuses two ranks on one GPU).
 """
 
 from __future__ import annotations
@@ -28,8 +35,10 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
+
+import torch
 
 from models.checkpoint import set_threads
 from models.engines.types import (
@@ -41,6 +50,7 @@ from models.engines.types import (
     WeightUpdate,
     unstarted,
 )
+from models.engines.vllm_engine import VLLMEngine
 
 FLUSH_SAMPLES = 64  # a replica sends finished samples back in batches of at most this many ...
 FLUSH_SECONDS = 0.05  # ... or after this long, whichever comes first
@@ -101,8 +111,57 @@ class EngineReplica:
     def load_weights(self, checkpoint_dir: str, policy_version: int) -> float:
         return self.engine.load_weights(checkpoint_dir, policy_version)
 
+    def nccl_workers(self) -> int:
+        """Workers this replica puts in an NCCL weight-transfer group: its tensor-parallel workers when
+        it is a vLLM engine on GPUs, else 0 (it takes checkpoints only)."""
+        engine = self.engine
+        return engine.tensor_parallel_size if isinstance(engine, VLLMEngine) and engine.transfer == "nccl" else 0
+
+    def weight_sync(self, call: str, payload: dict | None = None) -> None:
+        assert isinstance(self.engine, VLLMEngine), "weight_sync is asked only of replicas with nccl_workers"
+        self.engine.weight_sync(call, payload)
+
     def close(self) -> None:
         self.engine.close()
+
+
+class ReplicaSyncClient:
+    """vLLM's ``VLLMWeightSyncClient`` over a replica set: each call fans out to every replica and waits
+    for all. At init each replica is told its own rank offset in the NCCL group (vLLM's trainer engine
+    assumes one engine, whose workers start at rank 1); at finish, the version being served."""
+
+    def __init__(self, actors: list[Any], workers: list[int]):
+        self.actors = actors
+        self.offsets = rank_offsets(workers)
+        self.version: str | None = None  # set before each send: the policy version the update serves
+
+    def _all(self, call: str, payloads: list[dict | None]) -> None:
+        import ray  # Ray only where engines or verifiers run on it: importing it takes seconds
+
+        ray.get([a.weight_sync.remote(call, p) for a, p in zip(self.actors, payloads)])
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        base = init_info["rank_offset"]
+        self._all("init_weight_transfer_engine", [{**init_info, "rank_offset": base + o} for o in self.offsets])
+
+    def start_weight_update(self) -> None:
+        self._all("start_weight_update", [None] * len(self.actors))
+
+    def update_weights(self, update_info: Any) -> None:
+        self._all("update_weights", [update_info] * len(self.actors))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._all("finish_weight_update", [{"weight_version": weight_version or self.version}] * len(self.actors))
+
+
+def rank_offsets(workers: list[int]) -> list[int]:
+    """Each replica's first rank after the trainer's, in an NCCL group of the trainer and every replica's
+    ``workers`` (tensor-parallel workers, in replica order): [2, 2] -> [0, 2]."""
+    offsets, total = [], 0
+    for n in workers:
+        offsets.append(total)
+        total += n
+    return offsets
 
 
 def replica_for(prompt_token_ids: tuple[int, ...], replicas: int) -> int:
@@ -133,6 +192,10 @@ class ReplicaRouter(RolloutEngine):
         self.info: EngineInfo = described[0][0]
         self.policy_version: int = described[0][1]
         self.routed = [0] * len(actors)  # groups sent to each replica (over this router's life)
+        self._nccl_workers: list[int] | None = None  # per replica, asked once (weights_from_memory)
+        self._source = StateSource()  # what push_weights sends: the latest weights handed to it
+        self._sender: Any = None  # vLLM's NCCL trainer engine, made at the first push
+        self._client: ReplicaSyncClient | None = None
 
     @classmethod
     def start(
@@ -244,6 +307,47 @@ class ReplicaRouter(RolloutEngine):
         self.policy_version = policy_version
         return max(pauses)
 
+    @property
+    def weights_from_memory(self) -> bool:
+        """True when every replica is a vLLM engine on GPUs and this process has a GPU to send from."""
+        if self._nccl_workers is None:
+            import ray  # Ray only where engines or verifiers run on it: importing it takes seconds
+
+            self._nccl_workers = ray.get([a.nccl_workers.remote() for a in self.actors])
+        if not all(self._nccl_workers):
+            return False
+        return torch.cuda.is_available()
+
+    def push_weights(self, weights: Mapping[str, torch.Tensor], policy_version: int) -> float:
+        """Broadcast ``weights`` (names -> this process's CUDA tensors, all on one GPU, unchanged until
+        this returns) to every replica over NCCL and serve them as ``policy_version``. The group is set
+        up at the first push (module doc); returns the seconds the replicas were paused."""
+        if not self.weights_from_memory:
+            raise RuntimeError("these replicas take checkpoints only (not vLLM on GPUs); use load_weights")
+        self._source.weights = weights
+        if self._sender is None:
+            import ray  # Ray and vLLM only where vLLM replicas take weights from memory
+            from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+            from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+            from vllm.utils.network_utils import get_open_port
+
+            torch.cuda.set_device(next(iter(weights.values())).device)  # rank 0's communicator lives there
+            assert self._nccl_workers is not None  # set by weights_from_memory
+            self._client = ReplicaSyncClient(self.actors, self._nccl_workers)
+            init = NCCLTrainerInitInfo(
+                master_address=ray.util.get_node_ip_address(),
+                master_port=get_open_port(),
+                world_size=1 + sum(self._nccl_workers),
+                rank=0,
+            )
+            self._sender = WeightTransferTrainerFactory.trainer_init(init, client=self._client, source=self._source)
+        assert self._client is not None
+        paused = time.perf_counter()
+        self._client.version = str(policy_version)
+        self._sender.send_weights()
+        self.policy_version = policy_version
+        return time.perf_counter() - paused
+
     def configure(self, max_batch: int, update_kv: UpdateKV) -> None:
         """Nothing changes: the replicas keep the batch they were started with (each call is sized
         from it at start), and ``update_kv`` matters only to weight updates in flight, which a
@@ -253,7 +357,26 @@ class ReplicaRouter(RolloutEngine):
         import ray  # Ray only where engines or verifiers run on it: importing it takes seconds
 
         try:
+            if self._sender is not None:
+                self._sender.shutdown()
             ray.get([a.close.remote() for a in self.actors], timeout=60)
         finally:
             for actor in self.actors:
                 ray.kill(actor)
+
+
+class StateSource:
+    """The weights vLLM's NCCL trainer engine sends (a ``WeightSource`` in its terms, which it reads
+    through ``metadata()`` and iteration only): it keeps the source it was made with and reads it afresh
+    at each send, so ``push_weights`` replaces ``weights`` before every send."""
+
+    def __init__(self) -> None:
+        self.weights: Mapping[str, torch.Tensor] = {}
+
+    def metadata(self) -> list:
+        from vllm.distributed.weight_transfer import ParamMeta  # vLLM only where its replicas take weights
+
+        return [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in self.weights.items()]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from self.weights.items()

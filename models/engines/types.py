@@ -36,9 +36,12 @@ the trainer was: the engine waits there for the weights if they are late.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -186,6 +189,21 @@ class RolloutEngine(Protocol):
 
     def close(self) -> None:
         """Release the engine's processes and memory now rather than at interpreter exit."""
+        ...
+
+
+@runtime_checkable
+class WeightReceiver(Protocol):
+    """An engine that can also take new weights from memory, as the trainer holds them, instead of
+    reading a checkpoint: the vLLM engine on a GPU (CUDA IPC) and a set of vLLM replicas on GPUs (NCCL).
+    The checkpoint of the same weights is still written: it is what lineage, resumes and evaluation read."""
+
+    weights_from_memory: bool
+    """Whether ``push_weights`` can serve weights here (False on a CPU: only ``load_weights`` then)."""
+
+    def push_weights(self, weights: Mapping[str, torch.Tensor], policy_version: int) -> float:
+        """Serve ``weights`` (Hugging Face parameter names -> tensors on the trainer's GPU, left unchanged
+        until this returns) as ``policy_version``; returns the seconds the engine could not serve."""
         ...
 
 

@@ -27,19 +27,37 @@ Choices that keep its rows interchangeable with the embedded engine's:
   reloaded between two steps and running requests keep their KV cache (vLLM labels each output token
   with the weight version that produced it).
 
+New weights reach the engine two ways. ``load_weights`` reloads a checkpoint directory in place (the
+only way on a CPU). On a GPU, ``push_weights`` takes the trainer's tensors from memory through vLLM's
+weight-transfer API (``weight_transfer_config``; ``init_weight_transfer_engine``, then per update
+``start_weight_update`` / ``update_weights`` / ``finish_weight_update``), with no checkpoint read:
+
+    ipc    the engine runs in the trainer's process (its worker in vLLM's engine-core process, on the
+           trainer's GPU or beside it): each tensor is shared as a CUDA IPC handle
+           (``torch.multiprocessing.reductions.reduce_tensor``) and the worker's model loads it
+           (``model.load_weights``) without a copy through the host
+    nccl   the engine is a Ray replica on its own GPUs: the trainer broadcasts each tensor over an NCCL
+           group it shares with every replica's workers (vLLM's ``StatelessProcessGroup`` +
+           ``PyNcclCommunicator``); the replica set drives it (models/engines/replicas.py)
+
 ``vllm`` is imported inside the engine, never at module import, so nothing else pays for it.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import itertools
 import json
 import os
+import pickle
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
+
+import torch
+from torch.multiprocessing.reductions import reduce_tensor
 
 from models.engines.types import (
     ABORT,
@@ -53,10 +71,16 @@ from models.engines.types import (
     unstarted,
 )
 
+Transfer = Literal["ipc", "nccl"]
+"""How a GPU engine takes weights from memory: from this process (ipc) or over NCCL (a Ray replica)."""
+WEIGHT_SYNC_CALLS = ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update")
+
 FINISH_REASONS = ("stop", "length")  # anything else vLLM reports (abort, error) is recorded as 'abort'
 
 
-def default_engine_args(on_cpu: bool) -> dict[str, Any]:
+def default_engine_args(
+    on_cpu: bool, gpu_memory_utilization: float = 0.45, tensor_parallel_size: int = 1
+) -> dict[str, Any]:
     """Engine sizing that works out of the box; ``RLROUNDS_VLLM_ARGS`` (JSON) overrides any of it.
 
     CPU: eager mode (no graph compilation at start), an explicit KV-cache size
@@ -66,8 +90,9 @@ def default_engine_args(on_cpu: bool) -> dict[str, Any]:
     rollouts re-prefill prompt + prefix) held more tokens than one step schedules. Unsplit, a prompt
     longer than a step's budget (``max_num_batched_tokens``) is refused at start by vLLM; raise it
     through ``RLROUNDS_VLLM_ARGS``.
-    GPU: a bit under half the device, so the rollout engine and an evaluation engine at another
-    precision fit side by side.
+    GPU: ``gpu_memory_utilization`` of each device (default a bit under half, so the rollout engine and
+    an evaluation engine at another precision fit side by side) over ``tensor_parallel_size`` devices;
+    more than one runs a worker process per device (vLLM's ``mp`` executor).
     """
     if on_cpu:
         gib = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or 1)
@@ -77,7 +102,9 @@ def default_engine_args(on_cpu: bool) -> dict[str, Any]:
             "enable_chunked_prefill": False,
         }
     else:
-        args = {"gpu_memory_utilization": 0.45}
+        args = {"gpu_memory_utilization": gpu_memory_utilization, "tensor_parallel_size": tensor_parallel_size}
+        if tensor_parallel_size > 1:
+            args["distributed_executor_backend"] = "mp"
     extra = os.environ.get("RLROUNDS_VLLM_ARGS")
     if extra:
         try:
@@ -117,21 +144,36 @@ class VLLMEngine(RolloutEngine):
         max_batch: int = 1024,
         engine_args: dict[str, Any] | None = None,
         update_kv: UpdateKV = "recompute",
+        gpu_memory_utilization: float = 0.45,
+        tensor_parallel_size: int = 1,
+        transfer: Transfer = "ipc",
     ):
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM logs every step at INFO
         # vLLM only for engine 'vllm', and after VLLM_LOGGING_LEVEL, which it reads when imported
         import vllm
         from vllm.platforms import current_platform
 
+        on_cpu = current_platform.is_cpu()
         args = {
             "dtype": dtype,
             "seed": 0,
             "max_num_seqs": max_batch,
             "logprobs_mode": "processed_logprobs",
             "distributed_executor_backend": "uni",  # one device: the worker lives in the engine-core process
-            **default_engine_args(current_platform.is_cpu()),
+            **default_engine_args(on_cpu, gpu_memory_utilization, tensor_parallel_size),
             **(engine_args or {}),
         }
+        # On a CPU new weights always come from a checkpoint (CUDA IPC and NCCL need a GPU).
+        self.transfer: Transfer | None = None if on_cpu else transfer
+        if self.transfer is not None:
+            from vllm.config import WeightTransferConfig  # vLLM only for engine 'vllm'
+
+            args["weight_transfer_config"] = WeightTransferConfig(backend=self.transfer)
+            # IPC handles name torch classes, which vLLM's messages carry only pickled; the engine-core
+            # process is this engine's own child (spawned below, inheriting this), not a remote peer.
+            os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        self.tensor_parallel_size = int(args.get("tensor_parallel_size", 1))
+        self._transfer_ready = False
         self.llm = vllm.LLM(model=checkpoint_dir, **args)
         self.max_batch = max_batch
         self.update_kv = update_kv
@@ -199,6 +241,52 @@ class VLLMEngine(RolloutEngine):
         self.llm.reset_prefix_cache()
         self.policy_version = policy_version
         return time.perf_counter() - paused
+
+    @property
+    def weights_from_memory(self) -> bool:
+        """True on a GPU: ``push_weights`` serves tensors from memory; on a CPU only checkpoints load."""
+        return self.transfer is not None
+
+    def push_weights(self, weights: Mapping[str, torch.Tensor], policy_version: int) -> float:
+        """Serve ``weights`` (Hugging Face parameter names -> the trainer's CUDA tensors, left unchanged
+        until this returns) as ``policy_version``, shared with the engine's worker by CUDA IPC: no
+        checkpoint is read. Returns the seconds the engine was paused, as ``load_weights`` does."""
+        if self.transfer != "ipc":
+            raise RuntimeError(
+                f"this vLLM engine takes weights from memory by {self.transfer or 'no transfer (it runs on a CPU)'}, "
+                "not from this process; use load_weights, or the replica set's push_weights for nccl"
+            )
+        paused = time.perf_counter()
+        if not self._transfer_ready:  # IPC needs no rendezvous: this only tells the workers the wire format
+            self.llm.init_weight_transfer_engine({"init_info": {"packed": False}})
+            self._transfer_ready = True
+        info, shared = ipc_update_info(weights, worker_devices(self.tensor_parallel_size))
+        self.llm.start_weight_update()
+        self.llm.update_weights({"update_info": info})
+        self.llm.finish_weight_update(str(policy_version))
+        del shared  # the IPC-shared copies must outlive the workers' load (finish_weight_update)
+        torch.cuda.ipc_collect()  # release this process's side of handles the workers have closed
+        self.llm.reset_prefix_cache()  # its entries were computed by the old weights
+        self.policy_version = policy_version
+        return time.perf_counter() - paused
+
+    def weight_sync(self, call: str, payload: dict | None = None) -> None:
+        """One step of vLLM's weight-transfer protocol driven from another process (a replica set's
+        NCCL broadcast): ``call`` is one of ``WEIGHT_SYNC_CALLS``; ``payload`` its init or update info."""
+        if call not in WEIGHT_SYNC_CALLS:
+            raise ValueError(f"unknown weight-sync call {call!r}; use one of: {', '.join(WEIGHT_SYNC_CALLS)}")
+        if call == "init_weight_transfer_engine":
+            self.llm.init_weight_transfer_engine({"init_info": payload or {}})
+        elif call == "update_weights":
+            self.llm.update_weights({"update_info": payload or {}})
+        elif call == "finish_weight_update":
+            version = (payload or {}).get("weight_version")
+            self.llm.finish_weight_update(version)
+            self.llm.reset_prefix_cache()
+            if version is not None:
+                self.policy_version = int(version)
+        else:
+            self.llm.start_weight_update()
 
     def _swap(
         self, engine, in_flight: dict[str, _InFlight], directory: str, version: int, update: WeightUpdate
@@ -329,3 +417,36 @@ def token_versions(spans, length: int, fallback: int) -> list[int]:
         for i in range(max(span.start, 0), min(span.end, length)):
             versions[i] = version
     return versions
+
+
+def worker_devices(tensor_parallel_size: int) -> list[int]:
+    """The CUDA devices (this process's numbering) of an in-process engine's workers: vLLM gives worker
+    ``r`` local device ``r`` under the CUDA_VISIBLE_DEVICES the engine inherits from this process."""
+    return list(range(tensor_parallel_size))
+
+
+def ipc_update_info(
+    weights: Mapping[str, torch.Tensor], devices: list[int]
+) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """vLLM's IPC ``update_info`` for ``weights``, each shared with a worker on every device of ``devices``
+    (keyed by the device's UUID, which is how a worker finds its own), and the tensors that handles
+    point at: the caller keeps them alive until the workers have loaded them.
+
+    A tensor already contiguous on a worker's device is shared as is, with no copy; one elsewhere (the
+    trainer on another GPU, tensor-parallel workers) is copied to that device first."""
+    uuids = {d: str(torch.cuda.get_device_properties(d).uuid) for d in devices}
+    names, dtypes, shapes, handles, shared = [], [], [], [], []
+    for name, tensor in weights.items():
+        names.append(name)
+        dtypes.append(str(tensor.dtype).removeprefix("torch."))
+        shapes.append(list(tensor.shape))
+        handle = {}
+        for d in devices:
+            local = tensor.detach().to(torch.device("cuda", d)).contiguous()
+            shared.append(local)
+            handle[uuids[d]] = reduce_tensor(local)[1]
+        handles.append(handle)
+    # Pickled for transport: vLLM's workers rebuild them when VLLM_ALLOW_INSECURE_SERIALIZATION is set.
+    pickled = base64.b64encode(pickle.dumps(handles)).decode()
+    info = {"names": names, "dtype_names": dtypes, "shapes": shapes, "ipc_handles_pickled": pickled}
+    return info, shared

@@ -34,6 +34,11 @@ class RolloutConfig(Config):
     ray_address: str | None = None
     """Ray cluster to run the replicas on ('auto', 'ray://host:10001', ...); setting it uses Ray even
     with one replica. Unset: a local Ray is started when replicas > 1."""
+    gpu_memory_utilization: float = Field(0.45, gt=0.0, le=1.0)
+    """vLLM on GPUs: the share of each device's memory one engine takes (weights, KV cache). The default leaves
+    room for the trainer and an evaluation engine."""
+    tensor_parallel_size: int = Field(1, ge=1, le=64)
+    """vLLM on GPUs: devices one engine (each replica) splits its model over, a worker process per device."""
     max_prompts_factor: float = Field(8.0, ge=1.0)
     """Over-provisioning cap: at most this many times the target groups are generated per round."""
     collection: Literal["ready_pool", "sync_barrier"] = "ready_pool"

@@ -25,6 +25,7 @@ from storage.paths import StorageRoot
 from storage.trajectories import read_manifest, read_table
 from tasks.config.train import TrainConfig
 from tasks.context import RoundContext
+from tasks.engines import offer_weights
 from tasks.report import report_progress
 from tasks.results import NotInput, Trained
 from tasks.train_workers import TrainJob, worker_group, write_files
@@ -112,11 +113,12 @@ def run_train(
         if config.workers == 1:
             placed = resolve_device(device)
             precision = resolve_precision(config.precision, placed)
-            stats = train_here(
+            stats, weights = train_here(
                 parent, reference, batches, config, temperature, ctx.parent_policy_version, recompute, tmp,
                 placed, precision, progress,
             )  # fmt: skip
         else:
+            weights = None  # a group's weights reach the engine through the checkpoint
             group = worker_group(config.workers, device, ray_address)
             progress(f"train: {config.workers} workers ({'GPU' if group.on_gpu else 'CPU'}), {len(batches)} steps")
             shares = sharded_minibatches(
@@ -146,6 +148,8 @@ def run_train(
             **(lineage_extra or {}),
         }
         checkpoints.commit_checkpoint(root, tmp, target, lineage)
+    if weights is not None:
+        offer_weights(target, weights)
     stats["train/workers"] = config.workers
     stats["train/started_at"] = started_at
     return Trained(checkpoint=target, stats=stats, committed_at=time.time())
@@ -163,8 +167,9 @@ def train_here(
     device: torch.device,
     precision: str,
     progress,
-) -> dict:
-    """A round's training in this process, on ``device``; the new checkpoint is written into ``out``."""
+) -> tuple[dict, dict[str, torch.Tensor] | None]:
+    """A round's training in this process, on ``device``; the new checkpoint is written into ``out``.
+    Returns the stats, and on a GPU the new weights on it."""
     model, tokenizer = load_policy(parent, dtype="float32")
     model.to(device)
     ref_model = load_policy(reference, dtype="float32")[0].to(device) if reference else None
@@ -182,9 +187,11 @@ def train_here(
         device=device,
         precision=precision,
     )
+    # the new weights where they were trained, for a GPU serving engine to take from memory (publish)
+    weights = {k: v.detach() for k, v in model.state_dict().items()} if device.type == "cuda" else None
     save_policy(model.cpu(), tokenizer, out)  # from CPU tensors: the checkpoint loads on any device
     save_optimizer(on_cpu(optimizer.state_dict()), out)
-    return stats
+    return stats, weights
 
 
 def on_cpu(state):

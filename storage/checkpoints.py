@@ -27,10 +27,15 @@ def commit_checkpoint(root: StorageRoot, local_dir: str, target: str, lineage: d
     if fs.exists(lineage_of(target)):
         return target  # already committed: a resumed stage must not rewrite a published checkpoint
     fs.makedirs(target, exist_ok=True)
-    for name in sorted(os.listdir(local_dir)):
-        if name == LINEAGE:
-            continue
-        fs.put_file(os.path.join(local_dir, name), child(target, name))
+    for folder, _, names in sorted(os.walk(local_dir)):  # nested: a worker group's optimizer shards
+        inside = os.path.relpath(folder, local_dir)
+        if inside != ".":
+            fs.makedirs(child(target, *inside.split(os.sep)), exist_ok=True)
+        for name in sorted(names):
+            if name == LINEAGE and inside == ".":
+                continue
+            parts = [] if inside == "." else inside.split(os.sep)
+            fs.put_file(os.path.join(folder, name), child(target, *parts, name))
     write_atomic(root, lineage_of(target), json.dumps(lineage, indent=2, sort_keys=True).encode())
     return target
 
@@ -99,8 +104,11 @@ def local_copy(root: StorageRoot, checkpoint_uri: str) -> str:
     staging = tempfile.mkdtemp(
         prefix="ckpt-", dir=os.path.dirname(target) if os.path.isdir(os.path.dirname(target)) else None
     )
-    for path in root.fs.ls(checkpoint_uri, detail=False):
-        root.fs.get_file(path, os.path.join(staging, os.path.basename(path)))
+    base = root.fs._strip_protocol(checkpoint_uri).rstrip("/")
+    for path in root.fs.find(checkpoint_uri):  # every file, nested ones (optimizer shards) included
+        local = os.path.join(staging, *root.fs._strip_protocol(path)[len(base) + 1 :].split("/"))
+        os.makedirs(os.path.dirname(local), exist_ok=True)
+        root.fs.get_file(path, local)
     os.makedirs(os.path.dirname(target), exist_ok=True)
     try:
         os.rename(staging, target)

@@ -154,8 +154,8 @@ def lineage_of(checkpoint_dir: str) -> str:
     return posixpath.join(checkpoint_dir, LINEAGE)
 
 
-def child(directory: str, name: str) -> str:
-    return posixpath.join(directory, name)
+def child(directory: str, *names: str) -> str:
+    return posixpath.join(directory, *names)
 
 
 def local_cache_dir() -> str:

@@ -18,7 +18,7 @@ import pyarrow.compute as pc
 import torch
 
 from models.checkpoint import load_policy, save_policy
-from models.device import resolve_device, resolve_precision
+from models.device import deterministic_kernels, resolve_device, resolve_precision
 from models.sharded import OPTIMIZER_DIR, OPTIMIZER_FILE, plain_optimizer_state
 from storage import checkpoints
 from storage.paths import StorageRoot
@@ -170,6 +170,7 @@ def train_here(
 ) -> tuple[dict, dict[str, torch.Tensor] | None]:
     """A round's training in this process, on ``device``; the new checkpoint is written into ``out``.
     Returns the stats, and on a GPU the new weights on it."""
+    deterministic_kernels()
     model, tokenizer = load_policy(parent, dtype="float32")
     model.to(device)
     ref_model = load_policy(reference, dtype="float32")[0].to(device) if reference else None

@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from models.checkpoint import load_policy, save_policy, set_threads
-from models.device import distributed_backend, resolve_device, resolve_precision
+from models.device import deterministic_kernels, distributed_backend, resolve_device, resolve_precision
 from models.sharded import (
     OPTIMIZER_DIR,
     OPTIMIZER_FILE,
@@ -112,6 +112,7 @@ class TrainWorker:
         self.device = resolve_device("cuda" if device.startswith("cuda") else device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        deterministic_kernels()
         self.collective: GroupCollective | None = None
 
     def where(self) -> dict:

@@ -273,3 +273,20 @@ def test_owner_lock_is_exclusive_between_racing_writers_on_s3(s3_endpoint, tmp_p
     for name, ids in won.items():
         for k in ids:
             assert read_campaign(fresh, f"race-{k}")["config"] == {"writer": name}
+
+
+def test_a_checkpoint_with_nested_files_commits_and_copies_back_whole(s3_endpoint, tmp_path):
+    """A worker group's checkpoint keeps its optimizer shards in a folder: committing it to S3 and copying
+    it back brings every nested file, byte for byte."""
+    from storage import checkpoints
+
+    root = _root("nested")
+    files = {"config.json": b"{}", "optimizer/.metadata": b"meta", "optimizer/__0_0.distcp": b"\x00\x01"}
+    for name, data in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(data)
+    target = checkpoints.commit_checkpoint(root, str(tmp_path), root.checkpoint("nested", 1), {"kind": "round"})
+    local = checkpoints.local_copy(root, target)
+    for name, data in files.items():
+        with open(os.path.join(local, name), "rb") as f:
+            assert f.read() == data, name

@@ -53,9 +53,10 @@ def run_publish(
     load_engine: Annotated[
         bool, NotInput("overlap mode: the next round's rollout loads the weights itself, mid-generation")
     ] = True,
+    device: Annotated[str, NotInput("where the live engine computes")] = "auto",
 ) -> Published:
     """Register the checkpoint with its lineage tags, then load it into the live rollout engine
-    (``engine`` at ``engine_dtype``, the round's rollout engine). ``load_engine`` False (overlap mode):
+    (``engine`` at ``engine_dtype`` on ``device``, the round's rollout engine). ``load_engine`` False (overlap mode):
     register only; the running rollout takes the weights (its ``rollout/weight_update_*`` figures)."""
     start = time.time()
     committed_at = committed_at or start
@@ -71,6 +72,8 @@ def run_publish(
     stats = {"publish/register_s": registered - start}
     if load_engine:
         local = checkpoints.local_copy(root, checkpoint)
-        _, _, stats["publish/engine_pause_s"] = serving_engine(engine, local, engine_dtype, ctx.round, max_batch)
+        _, _, stats["publish/engine_pause_s"] = serving_engine(
+            engine, local, engine_dtype, ctx.round, max_batch, device=device
+        )
     stats["publish/latency_s"] = time.time() - committed_at
     return Published(model_version=f"{name}/{version}", stats=stats)

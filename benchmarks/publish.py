@@ -10,7 +10,7 @@ is published to it through the same call the round's publish stage makes (tasks.
 and one greedy request checks the engine answers with the new weights. Medians over the repeats.
 The round's publish/latency_s also counts MLflow registration (≈0.3 s on SQLite, see BASELINES.md).
 
-    python benchmarks/publish.py [--repeats 5] [--engines embedded,vllm] [--models builtin,llama-85m]
+    python benchmarks/publish.py [--repeats 5] [--engines embedded,vllm] [--models builtin,llama-85m] [--device auto]
 
 Run it as a script (vLLM's engine-core process is started with spawn, which re-imports this file).
 """
@@ -32,6 +32,7 @@ def main() -> None:
     parser.add_argument("--engines", default="embedded,vllm")
     parser.add_argument("--models", default="builtin,llama-85m")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--device", default="auto", help="the embedded engine's: auto, cpu, cuda or cuda:N")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     from transformers.utils import logging as hf_logging
@@ -40,7 +41,10 @@ def main() -> None:
     from tasks.engines import drop_serving_engines, serving_engine
 
     hf_logging.set_verbosity_error()
-    print(f"publication of a new checkpoint into a running engine, {args.dtype}, median of {args.repeats}")
+    print(
+        f"publication of a new checkpoint into a running engine, {args.dtype}, embedded on {args.device}, "
+        f"median of {args.repeats}"
+    )
     print(f"{'engine':<10}{'model':<22}{'latency s':>11}{'pause s':>10}{'pause/latency':>15}{'start s':>9}")
     for model in args.models.split(","):
         hidden, layers, heads, ffn, _ = MODELS[model]
@@ -52,7 +56,7 @@ def main() -> None:
             save_model(b, hidden, layers, heads, ffn, seed=1)
             for kind in args.engines.split(","):
                 started = time.perf_counter()
-                engine, tokenizer, _ = serving_engine(kind, a, args.dtype, 0, max_batch=64)
+                engine, tokenizer, _ = serving_engine(kind, a, args.dtype, 0, max_batch=64, device=args.device)
                 startup = time.perf_counter() - started
                 probe = [
                     GroupRequest(
@@ -67,7 +71,7 @@ def main() -> None:
                 for version in range(1, args.repeats + 1):
                     directory = b if version % 2 else a
                     committed = time.perf_counter()
-                    _, _, pause = serving_engine(kind, directory, args.dtype, version)
+                    _, _, pause = serving_engine(kind, directory, args.dtype, version, device=args.device)
                     latencies.append(time.perf_counter() - committed)
                     pauses.append(pause)
                     (sample,) = engine.generate(probe)

@@ -2,9 +2,10 @@
 rollouts on (the default) and off, and with the verifier called on the rollout's thread (the default for
 the built-in task's) or through the verifier pool's worker threads, measured in one run.
 
-    python benchmarks/rollout_round.py --storage DIR [--groups 2048] [--repeats 2] [--json PATH]
+    python benchmarks/rollout_round.py --storage DIR [--groups 2048] [--repeats 2] [--device auto] [--json PATH]
 
 DIR is a storage root; the built-in base is built there on first use (a minute or two) and reused after.
+The base build and the engine run on ``--device`` (auto: CUDA when visible, else the CPU).
 Each repeat runs both modes back to back, so the ratio compares like with like on a shared machine.
 """
 
@@ -65,6 +66,7 @@ def main() -> None:
         help="trainable groups per round (default: the default round's)",
     )
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (as a round's device)")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
 
@@ -73,9 +75,9 @@ def main() -> None:
     from tasks.base import run_prepare_base
     from tasks.engines import build_engine, load_tokenizer
 
-    base = run_prepare_base(storage=args.storage, base_model="builtin")
+    base = run_prepare_base(storage=args.storage, base_model="builtin", device=args.device)
     local = checkpoints.local_copy(StorageRoot.of(args.storage), base.checkpoint)
-    engine = build_engine("embedded", local, "float32", 0, 1024)
+    engine = build_engine("embedded", local, "float32", 0, 1024, device=args.device)
     tokenizer = load_tokenizer(local)
     modes = (("partial_rollouts", True, True), ("run_to_completion", False, True), ("verifier_threads", True, False))
     runs: dict[str, list[dict]] = {mode: [] for mode, _, _ in modes}

@@ -1,7 +1,7 @@
 """How many verifier workers a preset's rollout needs: the same rounds collected with each ``verify.workers``.
 
     python benchmarks/verifier_workers.py --storage DIR [--preset long-tail] [--checkpoint CKPT]
-        [--workers 64,256] [--rounds 3] [--json PATH]
+        [--workers 64,256] [--rounds 3] [--device auto] [--json PATH]
 
 From the preset's base (built under DIR on first use) or from ``--checkpoint`` (a round's checkpoint
 directory, e.g. a late round of a campaign, where most samples are short and the engine finishes them
@@ -11,7 +11,7 @@ machine falls on each alike. Printed per count: the rollout's median seconds, sa
 second, and the median of the rounds' ``verify/queue_wait_p99_s`` (how long the slowest finished samples
 waited for a free verifier); then each count's speed-up over the first. Behind the long-tail preset's
 SIMULATED environment a worker is a thread waiting out a delay, so more workers stand for a remote
-environment that serves more calls at once.
+environment that serves more calls at once. The base build and the engine run on ``--device``.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ def main() -> None:
     parser.add_argument("--workers", default="64,256", help="comma-separated verify.workers to compare")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seed", type=int, default=100)
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (as a round's device)")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
     try:
@@ -52,11 +53,13 @@ def main() -> None:
     rc = load_campaign_config(None, args.preset).round
     source = args.checkpoint
     if source is None:
-        base = run_prepare_base(storage=args.storage, base_model=rc.policy.base_model, progress=print)
+        base = run_prepare_base(
+            storage=args.storage, base_model=rc.policy.base_model, progress=print, device=args.device
+        )
         source = checkpoints.local_copy(StorageRoot.of(args.storage), base.checkpoint)
     elif not os.path.isdir(source):
         parser.error(f"--checkpoint: {source} is not a directory")
-    engine = build_engine(rc.rollout.engine, source, rc.rollout.dtype, 0, rc.rollout.max_batch)
+    engine = build_engine(rc.rollout.engine, source, rc.rollout.dtype, 0, rc.rollout.max_batch, device=args.device)
     tokenizer = load_tokenizer(source)
     seen: dict[int, list[dict]] = {w: [] for w in counts}
     carried: dict[int, list] = {w: [] for w in counts}

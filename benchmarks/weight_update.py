@@ -1,6 +1,7 @@
 """A weight update in flight, two ways: what it costs the engine and what it does to the behaviour logprobs.
 
     python benchmarks/weight_update.py --old CHECKPOINT_DIR --new CHECKPOINT_DIR [--groups 512] [--repeats 3]
+        [--device auto]
 
 ``--old`` and ``--new``: two local checkpoints of one campaign, consecutive rounds for a realistic step
 (e.g. STORAGE/runs/RUN_ID/rounds/1/checkpoint and .../2/checkpoint). The embedded engine samples the
@@ -17,6 +18,9 @@ the same token's logprob recomputed from scratch under the version it is labelle
 |difference|, and the k3 estimate of KL(recorded || recomputed). The tokens before the update give the
 numerical floor. Both modes draw the same samples up to the update; the trainer's importance weights
 correct a mismatch only if the recorded logprobs are what the labelled version gives.
+
+The engine runs on ``--device``; the from-scratch recomputation on the CPU, so on a GPU the floor also holds
+the two devices' rounding.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import math
 import statistics
 
 from models.checkpoint import load_policy
+from models.device import resolve_device
 from models.engines.embedded import EmbeddedEngine
 from models.engines.types import GroupRequest, SamplingParams
 from models.logprobs import logprobs_by_version
@@ -34,8 +39,8 @@ from tasks.overlap import UpdateAtStep
 from tasks.prompts import prompt_stream
 
 
-def measure(old: str, new: str, update_kv: str, groups: int, seed: int) -> dict:
-    model, tok = load_policy(old)
+def measure(old: str, new: str, update_kv: str, groups: int, seed: int, device: str = "auto") -> dict:
+    model, tok = load_policy(old, device=resolve_device(device))
     engine = EmbeddedEngine(model, tok.eos_token_id, tok.pad_token_id, groups * 8, 1, update_kv)  # type: ignore[arg-type]
     stream = prompt_stream(PromptsConfig(), seed)
     params = SamplingParams(1.0, 1.0, 8, seed)
@@ -70,10 +75,11 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="auto", help="the engine's: auto, cpu, cuda or cuda:N")
     args = parser.parse_args()
     results = {}
     for mode in ("recompute", "keep"):
-        runs = [measure(args.old, args.new, mode, args.groups, args.seed) for _ in range(args.repeats)]
+        runs = [measure(args.old, args.new, mode, args.groups, args.seed, args.device) for _ in range(args.repeats)]
         results[mode] = {**runs[-1], "pause_s": statistics.median(r["pause_s"] for r in runs)}
     print(f"{args.groups} groups x 8 samples, update after the first token; {args.repeats} repeats")
     print(

@@ -126,7 +126,7 @@ def campaign_rounds(config: CampaignConfig, storage: str, run_id: str, version: 
     rc = config.round
     building = StageProgress("base build", artifact_key(run_id, "base-build"), "building the base policy")
     stage_logger().info("base policy %s: preparing (built on first use, then cached)", rc.policy.base_model)
-    base = prepare_base_task(storage=storage, base_model=rc.policy.base_model, progress=building)
+    base = prepare_base_task(storage=storage, base_model=rc.policy.base_model, progress=building, device=rc.device)
     building.done()
     ctx0 = open_round(
         rc,
@@ -148,6 +148,7 @@ def campaign_rounds(config: CampaignConfig, storage: str, run_id: str, version: 
         evaluate=rc.evaluate,
         prompts=rc.prompts,
         verify=rc.verify_resolved,
+        device=rc.device,
     )
     log.info("round 0 (base %s): held-out accuracy %.1f%%", base.base_model, 100 * round0.accuracy)
     history = [{"round": 0, "model_version": round0.model_version, "accuracy": round0.accuracy}]

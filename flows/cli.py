@@ -329,6 +329,7 @@ def _run(args: argparse.Namespace) -> int:
 KNOWN_INPUT_ERRORS = frozenset(
     {
         "models.checkpoint.PolicyLoadError",
+        "models.device.DeviceError",
         "tasks.prompts.PromptError",
         "storage.campaigns.CampaignError",
         "tasks.verifiers.pool.InfraFailureRateError",

@@ -54,4 +54,5 @@ def rl_evaluate(
             prompts=rc.prompts,
             verify=rc.verify_resolved,
             train_dtype=TRAIN_DTYPE,
+            device=rc.device,
         )

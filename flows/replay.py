@@ -66,6 +66,7 @@ def rl_replay(request: ReplayRequest, storage: str | None = None) -> dict:
             evaluate=rc.evaluate if request.evaluate else None,
             prompts=rc.prompts,
             verify=rc.verify_resolved,
+            device=rc.device,
         )
     return {
         "replay_id": plan.replay_id,

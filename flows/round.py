@@ -132,6 +132,7 @@ def rl_round(
             target_groups=config.target_groups,
             carry_from=carry_source(storage, run_id, round_index),
             progress=collecting,
+            device=config.device,
         )
     collecting.done()
     clock.lap("rollout")
@@ -189,6 +190,7 @@ def rl_round(
             engine_dtype=config.rollout.dtype,
             max_batch=config.rollout.max_batch,
             load_engine=not overlap,
+            device=config.device,
         )
         clock.lap("publish")
         evaluation = stage.run(
@@ -201,6 +203,7 @@ def rl_round(
             checkpoint=trained.checkpoint,
             model_version=published.model_version,
             engine_role="evaluate" if overlap else "rollout",
+            device=config.device,
         )
         if config.evaluate.approval == "required" and evaluation.gate_passed:
             # one stage: a resumed round whose decision is recorded does not ask again
@@ -369,5 +372,6 @@ def overlapped_rollout(
         carry_from=carry_source(ctx.storage, ctx.run_id, ctx.round),
         progress=progress,
         overlap=Overlapped(start, ctx.parent_policy_version - 1, next_policy),
+        device=config.device,
     )
     return _Upcoming(pending, next_policy)

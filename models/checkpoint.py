@@ -92,23 +92,42 @@ def context_length(path: str) -> int | None:
     return None
 
 
-def load_policy(path: str, dtype: str = "float32") -> tuple[Any, Any]:
-    """(model, tokenizer) from a Hugging Face causal-LM directory, in eval mode on CPU."""
+def load_policy(path: str, dtype: str = "float32", device: torch.device | str = "cpu") -> tuple[Any, Any]:
+    """(model, tokenizer) from a Hugging Face causal-LM directory, in eval mode on ``device`` (the CPU unless
+    told: ``models.device.resolve_device`` turns a round's setting into one)."""
     hf_logging.disable_progress_bar()  # per-load bars drown the round's own progress
     check_policy_dir(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token_id is None:  # many causal LMs ship without one; eos is the usual stand-in
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype))
-    return model.eval(), tokenizer
+    return model.to(device).eval(), tokenizer
 
 
-def load_state_dict(path: str) -> dict[str, torch.Tensor]:
-    return load_file(os.path.join(path, WEIGHTS_FILE))
+def load_state_dict(path: str, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """A checkpoint's weights, read onto ``device``."""
+    return load_file(os.path.join(path, WEIGHTS_FILE), device=str(device))
 
 
 def save_policy(model: Any, tokenizer: Any, path: str) -> None:
+    """Write ``model`` and ``tokenizer`` as a Hugging Face directory, from CPU tensors wherever the model lives,
+    so a checkpoint saved on one device loads on any other."""
     hf_logging.disable_progress_bar()
     os.makedirs(path, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True)
+    on_cpu = all(t.device.type == "cpu" for t in model.state_dict().values())
+    model.save_pretrained(path, state_dict=None if on_cpu else cpu_state_dict(model), safe_serialization=True)
     tokenizer.save_pretrained(path)
+
+
+def cpu_state_dict(model: Any) -> dict[str, torch.Tensor]:
+    """``model``'s state as CPU tensors, without moving the model (on the CPU already, its own tensors). Tensors
+    that share memory on the device (tied embeddings) share one copy, so ``save_pretrained`` still sees them as
+    tied and writes the weight once."""
+    copies: dict[tuple, torch.Tensor] = {}
+    state = {}
+    for name, tensor in model.state_dict().items():
+        where = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape, tensor.stride())
+        if where not in copies:
+            copies[where] = tensor.cpu()
+        state[name] = copies[where]
+    return state

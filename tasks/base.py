@@ -7,10 +7,12 @@ import hashlib
 import os
 import tempfile
 from collections.abc import Callable
+from typing import Annotated
 
 from models.builtin import BUILTINS
 from models.builtin.base_policy import build_base_policy
 from models.checkpoint import check_policy_dir
+from models.device import resolve_device
 from storage import checkpoints
 from storage.files import lease
 from storage.paths import StorageRoot
@@ -24,7 +26,7 @@ from tasks.context import RoundContext
 from tasks.evaluate import run_evaluate
 from tasks.publish import lineage_tags
 from tasks.report import report_progress
-from tasks.results import BasePolicy, Published
+from tasks.results import BasePolicy, NotInput, Published
 
 BUILTIN = "builtin"  # the addition base; every built-in base is listed in models.builtin.BUILTINS
 BASE_BUILD_LEASE_S = 4 * 3600.0
@@ -32,8 +34,13 @@ BASE_BUILD_LEASE_S = 4 * 3600.0
 long (one on this host is seen to be gone at once), so it is far above a build's minutes."""
 
 
-def run_prepare_base(*, storage: str, base_model: str, progress: Callable[[str], None] | None = None) -> BasePolicy:
-    """The base checkpoint URI and its identity (recorded as every checkpoint's base_model tag)."""
+def run_prepare_base(
+    *, storage: str, base_model: str, progress: Callable[[str], None] | None = None, device: str = "auto"
+) -> BasePolicy:
+    """The base checkpoint URI and its identity (recorded as every checkpoint's base_model tag). A built-in base
+    not built yet is trained on ``device``; once committed it is every later campaign's on that root, wherever
+    they compute (a campaign resumed on another machine starts from the base it started from)."""
+    placed = resolve_device(device)  # a device this machine lacks fails before a lease is taken
     root = StorageRoot.of(storage)
     if base_model not in BUILTINS:
         check_policy_dir(base_model)
@@ -54,14 +61,22 @@ def run_prepare_base(*, storage: str, base_model: str, progress: Callable[[str],
         with lease(root, root.lock(f"base-{name}"), ttl_s=BASE_BUILD_LEASE_S, wait_s=BASE_BUILD_LEASE_S, poll_s=1.0):
             if not checkpoints.is_committed(root, target):
                 with tempfile.TemporaryDirectory(prefix="rlrounds-base-") as tmp:
-                    meta = build_base_policy(tmp, progress=progress, task=builtin)
+                    meta = build_base_policy(tmp, progress=progress, task=builtin, device=placed)
                     checkpoints.commit_checkpoint(root, tmp, target, {"kind": "base", **meta})
                 built = True
     return BasePolicy(checkpoint=target, base_model=name, built=built)
 
 
 def run_register_base(
-    *, ctx: RoundContext, publish: PublishConfig, evaluate: EvaluateConfig, prompts: PromptsConfig, verify: VerifyConfig
+    *,
+    ctx: RoundContext,
+    publish: PublishConfig,
+    evaluate: EvaluateConfig,
+    prompts: PromptsConfig,
+    verify: VerifyConfig,
+    device: Annotated[
+        str, NotInput("where it computes: a campaign resumed on another machine is not scored again")
+    ] = "auto",
 ) -> Published:
     """Register the base as round 0 of the campaign (parent 'none') and evaluate it once."""
     tracker = Tracker.connect(settings(), StorageRoot.of(ctx.storage))
@@ -79,6 +94,7 @@ def run_register_base(
         verify=verify,
         checkpoint=ctx.parent_checkpoint,
         model_version=model_version,
+        device=device,
     )
     metrics = evaluation.metrics()
     tracker.log(ctx.mlflow_run_id, metrics={k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=0)

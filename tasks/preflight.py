@@ -2,6 +2,7 @@
 the input and the fix, raised before a run directory, an MLflow run or a model version exists.
 
 Checked, cheapest first:
+- the round's ``device``: one this machine has (``DeviceError``);
 - prompt files (training and held-out): readable, well-formed, not empty (``PromptError``);
 - the base policy: a complete Hugging Face directory (``PolicyLoadError``);
 - every prompt fits the model's context with the tokens it may generate: prompt tokens plus
@@ -20,6 +21,7 @@ from models.builtin import BUILTIN_SOURCES, BUILTINS
 from models.builtin.base_policy import build_model
 from models.builtin.tokenizer import build_char_tokenizer
 from models.checkpoint import check_policy_dir, context_length
+from models.device import resolve_device
 from storage import checkpoints
 from storage.paths import StorageRoot
 from storage.settings import settings
@@ -69,6 +71,7 @@ def run_preflight(*, config: Any, storage: str) -> Checked:
     """Check a round config's inputs against the storage root; returns what was checked (for the log).
 
     ``config`` is a ``flows.config.RoundConfig`` (composed there from the stages' configs)."""
+    resolve_device(config.device)
     if config.prompts.source in BUILTIN_SOURCES:  # a built-in stream is endless: check its longest prompt
         training = [BUILTIN_SOURCES[config.prompts.source].data.longest_prompt()]
     else:

@@ -56,9 +56,10 @@ def run_publish(
     load_engine: Annotated[
         bool, NotInput("overlap mode: the next round's rollout loads the weights itself, mid-generation")
     ] = True,
+    device: Annotated[str, NotInput("where the live engine computes")] = "auto",
 ) -> Published:
     """Register the checkpoint with its lineage tags, then load it into the live rollout engine
-    (``engine`` at ``engine_dtype``, the round's rollout engine). ``load_engine`` False (overlap mode):
+    (``engine`` at ``engine_dtype`` on ``device``, the round's rollout engine). ``load_engine`` False (overlap mode):
     register only; the running rollout takes the weights (its ``rollout/weight_update_*`` figures)."""
     start = time.time()
     committed_at = committed_at or start
@@ -78,7 +79,7 @@ def run_publish(
         local = checkpoints.local_copy(root, checkpoint)
         weights = offered(checkpoint)
         served, _, stats["publish/engine_pause_s"] = serving_engine(
-            engine, local, engine_dtype, ctx.round, max_batch, weights=weights
+            engine, local, engine_dtype, ctx.round, max_batch, weights=weights, device=device
         )
         stats["publish/weights_from_memory"] = float(weights is not None and takes_weights_from_memory(served))
     stats["publish/latency_s"] = time.time() - committed_at

@@ -198,8 +198,9 @@ def run_publish_replay(
     evaluate: EvaluateConfig | None,
     prompts: PromptsConfig,
     verify: VerifyConfig,
+    device: str = "auto",
 ) -> Published:
-    """Register the replayed checkpoint with its lineage; evaluate it (tags only, no champion move)."""
+    """Register the replayed checkpoint with its lineage; evaluate it on ``device`` (tags only, no champion move)."""
     ctx = plan.context
     root = StorageRoot.of(ctx.storage)
     tracker = Tracker.connect(settings(), root)
@@ -211,7 +212,8 @@ def run_publish_replay(
     scores = None
     if evaluate is not None:
         held_out = evaluation_prompts(prompts, evaluate.source)
-        scores = evaluate_checkpoint(checkpoints.local_copy(root, checkpoint), held_out, verify, evaluate)
+        local = checkpoints.local_copy(root, checkpoint)
+        scores = evaluate_checkpoint(local, held_out, verify, evaluate, device=device)
         tracker.tag_model_version(plan.model_name, version, evaluation_tags(scores))
     describe_version(tracker, root, f"{plan.model_name}/{version}")
     evaluation = scores.metrics() if scores is not None else {}

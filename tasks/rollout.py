@@ -340,6 +340,9 @@ def run_rollout(
     overlap: Annotated[
         Overlapped | None, NotInput("overlap mode's hand-over: fixed by the round and round.mode, which the key holds")
     ] = None,
+    device: Annotated[
+        str, NotInput("where it computes: rows committed on one machine are not generated again")
+    ] = "auto",
 ) -> Staged:
     """Generate and verify this round's samples from the parent checkpoint; stage them as Parquet.
 
@@ -347,7 +350,7 @@ def run_rollout(
     the previous round's (``carry_source``); None resumes nothing. The round's own unfinished samples
     are staged beside its rows (``Staged.carryover``) for filter to commit with its version.
     ``overlap``: start from ``overlap.start_checkpoint`` instead, while the parent is still training,
-    and switch to the parent mid-way (tasks/overlap.py)."""
+    and switch to the parent mid-way (tasks/overlap.py). ``device``: where an embedded engine generates."""
     root = StorageRoot.of(ctx.storage)
     committed = committed_round_version(root, ctx.run_id, ctx.round)
     if committed is not None:  # resumed after filter committed this round: generating again could only differ
@@ -368,6 +371,7 @@ def run_rollout(
         rollout.max_batch,
         Placement(rollout.replicas, rollout.ray_address, rollout.gpu_memory_utilization, rollout.tensor_parallel_size),
         update_kv=rollout.update_kv,
+        device=device,
     )
     result = generate_and_verify(
         engine,

@@ -8,6 +8,7 @@ import socket
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 import yaml
 
 from flows.cli import main
@@ -116,6 +117,13 @@ def test_prompts_longer_than_the_model_context(capsys, tmp_path, tiny_policy_dir
 def test_generation_budget_beyond_the_builtin_context(capsys, tmp_path):
     code, err, storage = run(capsys, tmp_path, {"rounds": 1, "round": {"rollout": {"max_tokens": 100}}})
     assert_one_line(code, err, "prompt add-99-99 of builtin:addition", "the model has 64")
+    assert written(storage) == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has the CUDA device the config asks for")
+def test_a_cuda_device_on_a_machine_without_one(capsys, tmp_path):
+    code, err, storage = run(capsys, tmp_path, {"rounds": 1, "round": {"device": "cuda"}})
+    assert_one_line(code, err, "device 'cuda' asked for CUDA", "set device to 'auto' or 'cpu'")
     assert written(storage) == []
 
 

@@ -1,7 +1,6 @@
-"""Tests that need a CUDA device (marker ``gpu``; skipped with the reason where there is none).
-
-benchmarks/gpu_check.sh installs what they need and runs them on a GPU machine.
-"""
+"""Stages on a CUDA device (``round.device``): the same rules as on the CPU, within the tolerance of the GPU's
+kernels, and checkpoints that load on any device. Every test here is marked ``gpu`` and skips, saying why,
+where torch sees no CUDA device (tests/conftest.py). One section per stage."""
 
 from __future__ import annotations
 
@@ -10,16 +9,22 @@ import os
 import pytest
 import torch
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch sees none here)"),
-]
+from models.builtin.base_policy import build_base_policy
+from models.builtin.recipe import BaseRecipe
+from models.checkpoint import load_policy, load_state_dict, save_policy
+from models.engines.embedded import EmbeddedEngine
+from models.engines.greedy import greedy_completions
+from models.engines.types import GroupRequest, SamplingParams
+from models.logprobs import TokenBatch, pack_sequences, token_logprobs
+from models.prompt import Prompt
+from tasks import engines
+
+pytestmark = pytest.mark.gpu
+
+PROMPTS = ["1+2=", "34+56=", "7+89=", "99+99=", "5+5="]
 
 
 # -- vLLM weights from memory
-
-
-PROMPTS = ["1+2=", "34+56=", "7+89=", "99+99=", "5+5="]
 
 
 @pytest.fixture(scope="module")
@@ -124,3 +129,101 @@ def test_weights_broadcast_over_nccl_to_a_replica_serve_as_a_reload(vllm_base, t
         _assert_same(pushed, _greedy(engine, tokenizer))
     finally:
         close_engine(engine)
+
+
+def _requests(tokenizer, n: int, params: SamplingParams) -> list[GroupRequest]:
+    return [GroupRequest(f"g{i}", tuple(tokenizer(p)["input_ids"]), n, params) for i, p in enumerate(PROMPTS)]
+
+
+@pytest.fixture(scope="module")
+def on_cuda(tiny_policy_dir):
+    return load_policy(tiny_policy_dir, device="cuda")
+
+
+# -- the embedded engine ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kv", ["slots", "padded"])
+def test_the_engine_on_cuda_reports_the_logprobs_the_trainer_computes(on_cuda, kv):
+    """Behaviour logprobs under temperature and top-p equal a from-scratch trainer pass on the same device.
+    The decode step and the full forward sum in different orders on a GPU, hence a tolerance above the CPU's."""
+    model, tok = on_cuda
+    engine = EmbeddedEngine(model, tok.eos_token_id, tok.pad_token_id, max_batch=8, kv_cache=kv)  # forces refills
+    params = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=8, seed=1)
+    samples = list(engine.generate(_requests(tok, 3, params)))
+    assert engine.device.type == "cuda" and len(samples) == 3 * len(PROMPTS)
+    for s in samples:  # what callers get is plain Python, wherever the engine computes
+        assert all(type(t) is int for t in s.token_ids) and all(type(x) is float for x in s.logprobs)
+    packed = pack_sequences(
+        [list(s.prompt_token_ids) for s in samples], [s.token_ids for s in samples], tok.pad_token_id
+    )
+    batch = TokenBatch(packed.input_ids.cuda(), packed.attention_mask.cuda(), packed.completion_mask.cuda())
+    top_p = torch.full((len(samples),), 0.9, device="cuda")
+    with torch.no_grad():
+        trainer = token_logprobs(model, batch, temperature=0.7, top_p=top_p).cpu()  # [B, T-1]
+    width = batch.input_ids.shape[1] - max(len(s.token_ids) for s in samples)
+    for row, s in enumerate(samples):
+        got = trainer[row, width - 1 : width - 1 + len(s.token_ids)]
+        assert torch.allclose(got, torch.tensor(s.logprobs), atol=1e-3), (got, s.logprobs)
+
+
+@pytest.mark.parametrize("kv", ["slots", "padded"])
+def test_seeded_samples_on_cuda_are_reproducible(on_cuda, kv):
+    model, tok = on_cuda
+    params = SamplingParams(temperature=1.0, max_tokens=10, seed=7)
+    runs = [
+        [
+            (s.group_id, s.sample_index, s.token_ids, s.logprobs)
+            for s in EmbeddedEngine(model, tok.eos_token_id, tok.pad_token_id, kv_cache=kv).generate(
+                _requests(tok, 4, params)
+            )
+        ]
+        for _ in range(2)
+    ]
+    assert sorted(runs[0]) == sorted(runs[1])
+
+
+def test_new_weights_land_on_the_engines_device(tiny_policy_dir, tmp_path):
+    engine = engines.build_engine("embedded", tiny_policy_dir, "float32", 0, device="cuda")
+    other, tok = load_policy(tiny_policy_dir)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.1)
+    save_policy(other, tok, str(tmp_path))
+    engine.load_weights(str(tmp_path), policy_version=1)
+    state = engine.model.state_dict()
+    assert all(t.device.type == "cuda" for t in state.values())
+    assert all(torch.equal(state[k].cpu(), v) for k, v in load_state_dict(str(tmp_path)).items())
+
+
+def test_greedy_answers_at_serving_precision_on_cuda(tiny_policy_dir):
+    """Evaluation's path: the embedded engine at bfloat16 on the device, greedy, decoded to text."""
+    engine, tok = engines.make_engine("embedded", tiny_policy_dir, "bfloat16", 0, device="cuda")
+    assert engine.info.dtype == "bfloat16" and engine.device.type == "cuda"
+    prompts = [Prompt(f"p{i}", "addition", text, "0") for i, text in enumerate(PROMPTS)]
+    answers = list(greedy_completions(engine, tok, prompts, max_tokens=6))
+    assert len(answers) == len(PROMPTS) and all(isinstance(text, str) for _, text, _ in answers)
+
+
+# -- checkpoints ------------------------------------------------------------------------------------
+
+
+def test_a_checkpoint_saved_from_cuda_loads_on_the_cpu(on_cuda, tmp_path):
+    model, tok = on_cuda
+    save_policy(model, tok, str(tmp_path))
+    assert all(p.device.type == "cuda" for p in model.parameters())  # saving did not move the model
+    loaded, _ = load_policy(str(tmp_path))
+    assert all(p.device.type == "cpu" for p in loaded.parameters())
+    expected = {k: v.cpu() for k, v in model.state_dict().items()}
+    assert all(torch.equal(expected[k], v) for k, v in loaded.state_dict().items())
+
+
+# -- the base build ---------------------------------------------------------------------------------
+
+
+def test_a_base_built_on_cuda_says_so_and_loads_on_the_cpu(tmp_path):
+    recipe = BaseRecipe(max_steps=4, check_every=2, stop_at_accuracy=1.0)
+    meta = build_base_policy(str(tmp_path), recipe, device="cuda")
+    assert meta["trained_on"] == {"device": "cuda"} and meta["steps"] == 4
+    model, _ = load_policy(str(tmp_path))
+    assert all(p.device.type == "cpu" for p in model.parameters())

@@ -4,6 +4,10 @@ A deterministic recipe (fixed seeds, fixed thread count, fixed data order) so th
 builds the same starting point, and RL has headroom: the recipe stops at roughly 40% greedy held-out
 accuracy. Which task and recipe: ``models.builtin``. ``python -m models.builtin.base_policy OUT_DIR [BASE]``
 builds one by hand (BASE: 'builtin', the default, or 'builtin-longtail').
+
+A base trains on the device it is given (a campaign's ``device``) and is saved from CPU tensors. Built on the
+CPU it is the same bit for bit on every machine; built on a GPU it is a different (equally good) starting
+point, and its lineage.json says where it was trained (``trained_on``).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, fields
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
@@ -29,7 +33,7 @@ from models.checkpoint import save_policy, set_threads
 from models.engines.embedded import EmbeddedEngine
 from models.engines.greedy import greedy_completions
 from models.engines.types import RolloutEngine
-from models.logprobs import pack_sequences
+from models.logprobs import TokenBatch, pack_sequences
 from models.prompt import Prompt
 
 
@@ -51,24 +55,28 @@ def build_model(recipe: BaseRecipe, vocab_size: int, tokenizer):
 
 
 def build_base_policy(
-    out_dir: str, recipe: BaseRecipe | None = None, progress=None, task: BuiltinTask | None = None
+    out_dir: str,
+    recipe: BaseRecipe | None = None,
+    progress=None,
+    task: BuiltinTask | None = None,
+    device: torch.device | str = "cpu",
 ) -> dict:
-    """Train the base policy of ``task`` (default: addition) into ``out_dir`` (local), with its own recipe
-    unless ``recipe`` is given. Returns its metadata (with held-out accuracy)."""
+    """Train the base policy of ``task`` (default: addition) into ``out_dir`` (local) on ``device``, with its
+    own recipe unless ``recipe`` is given. Returns its metadata (with held-out accuracy)."""
     task = task or BUILTINS["builtin"]
     recipe = recipe or task.recipe
     start = time.perf_counter()
     previous_threads = set_threads(recipe.threads)  # a campaign built after another count pays for it
     try:
-        return _build(out_dir, recipe, progress, start, task)
+        return _build(out_dir, recipe, progress, start, task, torch.device(device))
     finally:
         set_threads(previous_threads)
 
 
-def _build(out_dir: str, recipe: BaseRecipe, progress, start: float, task: BuiltinTask) -> dict:
+def _build(out_dir: str, recipe: BaseRecipe, progress, start: float, task: BuiltinTask, device: torch.device) -> dict:
     torch.manual_seed(recipe.seed)
     tokenizer = build_char_tokenizer(task.characters)
-    model = build_model(recipe, len(tokenizer), tokenizer)
+    model = build_model(recipe, len(tokenizer), tokenizer).to(device)  # initialised on the CPU: the same everywhere
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.learning_rate)
     # Drawn as the steps take them: a recipe that stops early (most do) never draws the rest.
     prompts = task.data.base_prompt_stream(seed=recipe.seed)
@@ -79,7 +87,7 @@ def _build(out_dir: str, recipe: BaseRecipe, progress, start: float, task: Built
     for step in range(recipe.max_steps):
         model.train()
         chunk = list(itertools.islice(prompts, recipe.batch_size))
-        batches = [_answer_batch(tokenizer, part) for part in _by_length(chunk, recipe.length_buckets)]
+        batches = [_answer_batch(tokenizer, part, device) for part in _by_length(chunk, recipe.length_buckets)]
         answer_tokens = sum(b.completion_mask.sum() for b in batches)
         optimizer.zero_grad(set_to_none=True)
         loss_value = 0.0
@@ -116,6 +124,7 @@ def _build(out_dir: str, recipe: BaseRecipe, progress, start: float, task: Built
         "recipe_version": task.recipe_version,
         "recipe": asdict(recipe),
         "parameters": sum(p.numel() for p in model.parameters()),
+        "trained_on": {"device": device.type},
         "steps": steps,
         "validation_accuracy": val_accuracy,
         "held_out_accuracy": accuracy,
@@ -135,12 +144,14 @@ def _by_length(prompts: list, buckets: int) -> list[list]:
     return [ordered[i : i + size] for i in range(0, len(ordered), size)]
 
 
-def _answer_batch(tokenizer, prompts):
+def _answer_batch(tokenizer, prompts, device: torch.device) -> TokenBatch:
+    """Prompts followed by their reference answers and end-of-sequence, packed on ``device``."""
     enc_prompts = [tokenizer(p.text)["input_ids"] for p in prompts]
     enc_answers = [
         tokenizer(p.reference, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for p in prompts
     ]
-    return pack_sequences(enc_prompts, enc_answers, tokenizer.pad_token_id)
+    packed = pack_sequences(enc_prompts, enc_answers, tokenizer.pad_token_id)
+    return TokenBatch(*(getattr(packed, f.name).to(device) for f in fields(packed)))
 
 
 def _logits(model, batch):
@@ -156,9 +167,10 @@ def teacher_forced_accuracy(model, tokenizer, prompts, buckets: int = 1) -> floa
     reference token. One forward pass instead of up to ``answer_tokens`` decode steps, where wrong
     samples would run on to the limit."""
     correct = 0
+    device = next(model.parameters()).device
     with torch.inference_mode():
         for part in _by_length(prompts, buckets):
-            batch = _answer_batch(tokenizer, part)
+            batch = _answer_batch(tokenizer, part, device)
             hits = _logits(model, batch)[:, :-1].argmax(-1) == batch.input_ids[:, 1:]  # [B, T-1]
             correct += int((hits | ~batch.completion_mask.bool()).all(-1).sum())
     return correct / len(prompts)

@@ -6,6 +6,9 @@ not keep finished rows computing) and admits waiting sequences into the freed sl
 (models/engines/kv_cache.py) is a preallocated slot per sequence for Llama-family models, transformers' own
 cache for any other.
 
+It serves on the device its model is on (``models.checkpoint.load_policy(..., device=)``): the KV cache, the
+sampling noise and every mask live there, and what it yields (token ids, logprobs) is plain Python.
+
 It is a ``RolloutEngine`` (models/engines/types.py: partial rollouts, weight updates in flight).
 """
 
@@ -77,7 +80,7 @@ KVCacheKind = Literal["auto", "slots", "padded"]
 
 
 class EmbeddedEngine(RolloutEngine):
-    """Torch sampling with a KV cache on this process. Default on CPU; works with any HF causal LM.
+    """Torch sampling with a KV cache on this process, on the model's device; works with any HF causal LM.
 
     ``kv_cache``: ``slots`` (Llama-family models: preallocated per-sequence slots and a decode written
     against them), ``padded`` (transformers' own cache and forward, any causal LM), or ``auto``: slots
@@ -99,6 +102,7 @@ class EmbeddedEngine(RolloutEngine):
         self.pad_token_id = pad_token_id
         self.max_batch = max_batch
         self.policy_version = policy_version
+        self.device = next(model.parameters()).device
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         self.info = EngineInfo(name="embedded", version=f"torch-{torch.__version__}", dtype=dtype)
         self._kv_setting = kv_cache
@@ -125,7 +129,7 @@ class EmbeddedEngine(RolloutEngine):
         pass  # nothing outside this process: the model and its caches go with the object
 
     def load_weights(self, checkpoint_dir: str, policy_version: int) -> float:
-        state = load_state_dict(checkpoint_dir)  # read before pausing: only the copy blocks serving
+        state = load_state_dict(checkpoint_dir, self.device)  # read before pausing: only the copy blocks serving
         paused = time.perf_counter()
         self.model.load_state_dict(state)
         self.policy_version = policy_version
@@ -210,7 +214,7 @@ class EmbeddedEngine(RolloutEngine):
     def _swap(self, cache, seqs: list[_Sequence], directory: str, version: int, update: WeightUpdate):
         """Load ``version`` between two decode steps; with ``recompute``, prefill the sequences in flight
         again under it and return their next-token logits (the caller skips a decode step), else None."""
-        state = load_state_dict(directory)  # read before pausing: only the copy and the recompute block
+        state = load_state_dict(directory, self.device)  # read before pausing: only the copy and the recompute block
         paused = time.perf_counter()
         self.model.load_state_dict(state)
         self.policy_version = version
@@ -246,10 +250,12 @@ def sample_tokens(logits: torch.Tensor, seqs: list[_Sequence], eos_token_id: int
     logits: [B, V] float32. Each row uses its own temperature and top-p. Gumbel-max on the processed
     logits is an exact sample of softmax(processed logits); its noise is a hash of (sample seed, token
     position, vocabulary index), so a sample does not depend on which rows shared its batch.
-    Temperature 0 is greedy and reports the logprob under the unscaled distribution.
+    Temperature 0 is greedy and reports the logprob under the unscaled distribution. The noise is integer
+    arithmetic, the same on every device, so a seed draws the same sample from the same logits anywhere.
     """
-    temps = torch.tensor([s.group.sampling.temperature for s in seqs], dtype=logits.dtype)
-    top_ps = torch.tensor([s.group.sampling.top_p for s in seqs], dtype=logits.dtype)
+    device = logits.device
+    temps = torch.tensor([s.group.sampling.temperature for s in seqs], dtype=logits.dtype, device=device)
+    top_ps = torch.tensor([s.group.sampling.top_p for s in seqs], dtype=logits.dtype, device=device)
     ignore = [row for row, s in enumerate(seqs) if s.group.sampling.ignore_eos]
     if ignore:  # benchmarks: never sample eos when it is ignored
         logits[ignore, eos_token_id] = float("-inf")
@@ -258,8 +264,8 @@ def sample_tokens(logits: torch.Tensor, seqs: list[_Sequence], eos_token_id: int
     if bool((top_ps < 1).any()):
         scaled = _top_p_filter(scaled, top_ps)
     logp = torch.log_softmax(scaled, dim=-1)  # [B, V]
-    seeds = torch.tensor([s.seed for s in seqs], dtype=torch.int64)
-    positions = torch.tensor([len(s.tokens) for s in seqs], dtype=torch.int64)
+    seeds = torch.tensor([s.seed for s in seqs], dtype=torch.int64, device=device)
+    positions = torch.tensor([len(s.tokens) for s in seqs], dtype=torch.int64, device=device)
     noise = counter_uniform(seeds, positions, logits.shape[-1])  # [B, V]
     gumbel = -torch.log(-torch.log(noise))
     sampled = torch.where(greedy, scaled.argmax(-1), (logp + gumbel).argmax(-1))  # [B]
@@ -274,9 +280,9 @@ _GOLDEN, _MIX1, _MIX2 = _signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9)
 
 
 def counter_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Uniform (0, 1) noise [B, V] from a splitmix64 hash of (seed, position, index): stateless and
-    vectorised, so no per-row generator is needed. Integer overflow wraps, as the hash intends."""
-    index = torch.arange(vocab, dtype=torch.int64)
+    """Uniform (0, 1) noise [B, V] on the device of ``seeds`` [B] from a splitmix64 hash of (seed, position,
+    index): stateless and vectorised, so no per-row generator is needed. Integer overflow wraps, as the hash intends."""
+    index = torch.arange(vocab, dtype=torch.int64, device=seeds.device)
     x = (seeds * _GOLDEN + positions * _MIX1).unsqueeze(-1) + index * _MIX2  # [B, V]
     for shift, mult in ((30, _MIX1), (27, _MIX2)):
         x = (x ^ ((x >> shift) & ((1 << (64 - shift)) - 1))) * mult

@@ -17,6 +17,9 @@ copy of the moved rows only) and joining rows take the slots after A. The forwar
 own modules (embeddings, norms, projections, MLP, rotary table), so the weights loaded into the
 model are the weights served; only attention over the slot buffer is written here.
 
+Both live on the model's device: every tensor they make is made there, and token ids go over in one copy
+per prefill.
+
 ``PaddedCache`` (any other causal LM): transformers' own cache and forward, left-padded. Every
 decode step grows each layer's cache by one column (a copy of the whole cache), and every join or
 leave copies the whole batch's cache. On the default task's rollout that bookkeeping was a large share
@@ -90,10 +93,11 @@ class SlotCache:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.scale = model.model.layers[0].self_attn.scaling
         self.dtype = next(model.parameters()).dtype
+        self.device = next(model.parameters()).device
         self.width = 0
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        self.lengths = torch.zeros(slots, dtype=torch.long)  # tokens held per slot
+        self.lengths = torch.zeros(slots, dtype=torch.long, device=self.device)  # tokens held per slot
         self.live = 0
 
     def _reserve(self, width: int) -> None:
@@ -103,12 +107,12 @@ class SlotCache:
         width = -(-width // 8) * 8
         shape = (self.slots, width, self.kv_heads, self.head_dim)
         layers = len(self.model.model.layers)
-        grown = [torch.zeros(shape, dtype=self.dtype) for _ in range(2 * layers)]
+        grown = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2 * layers)]
         for old, new in zip(self.keys + self.values, grown):
             new[: self.live, : self.width] = old[: self.live]
         self.keys, self.values = grown[:layers], grown[layers:]
-        positions = torch.arange(width).unsqueeze(0)
-        cos, sin = self.model.model.rotary_emb(torch.zeros(1, dtype=self.dtype), positions)
+        positions = torch.arange(width, device=self.device).unsqueeze(0)
+        cos, sin = self.model.model.rotary_emb(torch.zeros(1, dtype=self.dtype, device=self.device), positions)
         self.cos, self.sin = cos[0], sin[0]  # [width, head_dim]
         self.width = width
 
@@ -122,12 +126,12 @@ class SlotCache:
         if self.live + n > self.slots:
             raise ValueError(f"{self.live} live rows + {n} joining exceed {self.slots} slots")
         self._reserve(width)
-        lengths = torch.tensor([len(x) for x in inputs])
-        rows = torch.tensor(owner, dtype=torch.long)  # [n] the distinct input each joining row continues
+        lengths = torch.tensor([len(x) for x in inputs], device=self.device)
+        rows = torch.tensor(owner, device=self.device)  # [n] the distinct input each joining row continues
         logits = None
         for chunk in length_chunks(lengths, PREFILL_PADDING_BUDGET):
-            local = torch.full((len(inputs),), -1, dtype=torch.long)
-            local[chunk] = torch.arange(len(chunk))
+            local = torch.full((len(inputs),), -1, dtype=torch.long, device=self.device)
+            local[chunk] = torch.arange(len(chunk), device=self.device)
             joining = torch.nonzero(local[rows] >= 0).squeeze(1)  # the joining rows this chunk feeds
             chunk_inputs = [inputs[i] for i in chunk.tolist()]
             part = self._prefill(chunk_inputs, lengths[chunk], local[rows[joining]], self.live + joining)
@@ -144,11 +148,9 @@ class SlotCache:
         """Run ``inputs`` (of ``lengths``) right-padded to the longest; slot ``slots[i]`` takes the keys and
         values of input ``rows[i]``. Logits [len(inputs), V] for each input's next token."""
         span = int(lengths.max())
-        ids = torch.full((len(inputs), span), self.pad_token_id, dtype=torch.long)
-        for row, x in enumerate(inputs):
-            ids[row, : len(x)] = torch.tensor(x)
+        ids = torch.tensor([[*x, *[self.pad_token_id] * (span - len(x))] for x in inputs], device=self.device)
         # query i sees keys j <= i of its own input; right padding sits after every real key
-        keys_seen = torch.arange(span)
+        keys_seen = torch.arange(span, device=self.device)
         mask = (keys_seen <= keys_seen.unsqueeze(-1)) & (keys_seen < lengths.view(-1, 1, 1))  # [D, span, span]
         hidden = self.model.model.embed_tokens(ids)  # [D, span, hidden]
         cos, sin = self.cos[:span].unsqueeze(1), self.sin[:span].unsqueeze(1)  # [span, 1, head_dim]
@@ -165,7 +167,7 @@ class SlotCache:
                 enable_gqa=self.kv_heads != self.heads,
             ).transpose(1, 2)  # [D, span, heads, head_dim]
             hidden = self._finish_layer(layer, hidden, out)
-        last = hidden[torch.arange(len(inputs)), lengths - 1]  # [D, hidden]
+        last = hidden[torch.arange(len(inputs), device=self.device), lengths - 1]  # [D, hidden]
         return self._logits(last)
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -175,8 +177,9 @@ class SlotCache:
         # Runs of contiguous rows, each attending over the keys of its own longest row: rows are kept in
         # order of length, so one run-on row does not make every row of the batch pay for its length.
         runs = attention_runs(positions)
-        masks = [torch.arange(keys) > positions[a:b].unsqueeze(-1) for a, b, keys in runs]  # True: not its key
-        at = torch.arange(live) * self.width + positions  # each row's new column, in the flattened buffer
+        # each run's mask [rows, keys]: True where a key is not the row's
+        masks = [torch.arange(keys, device=self.device) > positions[a:b].unsqueeze(-1) for a, b, keys in runs]
+        at = torch.arange(live, device=self.device) * self.width + positions  # each row's new column, flattened
         hidden = self.model.model.embed_tokens(tokens).unsqueeze(1)  # [A, 1, hidden]
         cos, sin = self.cos[positions].view(live, 1, 1, -1), self.sin[positions].view(live, 1, 1, -1)
         for layer, keys, values in zip(self.model.model.layers, self.keys, self.values):
@@ -220,7 +223,7 @@ class SlotCache:
         movers = [row for row in keep if row >= remaining]
         order = list(range(remaining))
         if holes:
-            to, src = torch.tensor(holes), torch.tensor(movers)
+            to, src = torch.tensor(holes, device=self.device), torch.tensor(movers, device=self.device)
             for buffer in self.keys + self.values:
                 buffer.index_copy_(0, to, buffer.index_select(0, src))
             self.lengths[to] = self.lengths[src]
@@ -311,7 +314,7 @@ def attention_runs(positions: torch.Tensor) -> list[tuple[int, int, int]]:
     if live <= ATTEND_BLOCK_ROWS:
         return [(0, live, int(counts.max()))]
     blocks = -(-live // ATTEND_BLOCK_ROWS)
-    padded = torch.zeros(blocks * ATTEND_BLOCK_ROWS, dtype=counts.dtype)
+    padded = torch.zeros(blocks * ATTEND_BLOCK_ROWS, dtype=counts.dtype, device=counts.device)
     padded[:live] = counts
     widest = padded.view(blocks, ATTEND_BLOCK_ROWS).max(1).values.tolist()  # keys of each block's longest row
     ends = [min(live, (j + 1) * ATTEND_BLOCK_ROWS) for j in range(blocks)]
@@ -344,6 +347,7 @@ class PaddedCache:
     def __init__(self, model: Any, pad_token_id: int):
         self.model = model
         self.pad_token_id = pad_token_id
+        self.device = next(model.parameters()).device
         self._cache_kwarg = cache_argument(model)
         self.clear()
 
@@ -360,14 +364,11 @@ class PaddedCache:
 
     def admit(self, inputs: list[tuple[int, ...]], owner: list[int], width: int) -> torch.Tensor:
         span = max(len(x) for x in inputs)
-        ids = torch.full((len(inputs), span), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(inputs), span), dtype=torch.long)
-        for row, x in enumerate(inputs):
-            ids[row, span - len(x) :] = torch.tensor(x)
-            mask[row, span - len(x) :] = 1
+        ids = torch.tensor([[*[self.pad_token_id] * (span - len(x)), *x] for x in inputs], device=self.device)
+        mask = torch.tensor([[0] * (span - len(x)) + [1] * len(x) for x in inputs], device=self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
-        rows = torch.tensor(owner, dtype=torch.long)
+        rows = torch.tensor(owner, dtype=torch.long, device=self.device)
         cache = cache_of(out)
         if len(inputs) < len(owner):
             cache.batch_select_indices(rows)  # [D, H, span, Dh] -> [n, H, span, Dh] per layer
@@ -392,7 +393,7 @@ class PaddedCache:
         if not keep:
             self.clear()
             return keep
-        rows = torch.tensor(keep, dtype=torch.long)
+        rows = torch.tensor(keep, dtype=torch.long, device=self.device)
         self.cache.batch_select_indices(rows)
         self.mask, self.next_pos = self.mask[rows], self.next_pos[rows]
         self._trim()

@@ -1,0 +1,91 @@
+"""The round's ``device`` on a machine that may have no GPU: naming the CPU changes nothing, bit for bit; asking
+for CUDA where there is none fails where the stage starts, in one line; checkpoints are written from CPU
+tensors. What needs a GPU is in tests/test_gpu.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from models.checkpoint import cpu_state_dict
+from models.device import DeviceError
+from tasks import engines
+from tasks.base import run_prepare_base
+from tasks.config.filter import FilterConfig
+from tasks.config.prompts import PromptsConfig
+from tasks.config.rollout import RolloutConfig
+from tasks.config.verify import VerifyConfig
+from tasks.rollout import generate_and_verify
+
+no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="here 'auto' is CUDA: tests/test_gpu.py covers it")
+
+
+def _rows(tiny_policy_dir: str, **device) -> list[tuple]:
+    """A small rollout's rows (what training reads of them) from an engine built as the round builds it."""
+    engine, tokenizer = engines.make_engine("embedded", tiny_policy_dir, "float32", 0, max_batch=16, **device)
+    result = generate_and_verify(
+        engine,
+        tokenizer,
+        PromptsConfig(),
+        RolloutConfig(samples_per_prompt=4, max_tokens=10, max_batch=16),
+        VerifyConfig(),
+        FilterConfig(drop_zero_variance=False),  # a random policy scores 0 everywhere: keep every group
+        target_groups=3,
+        seed=5,
+        run_id="t",
+        round_index=1,
+    )
+    return sorted(
+        (r.group_id, r.sample_index, r.completion_token_ids, r.rollout_logprobs, r.finish_reason, r.reward)
+        for r in result.rows
+    )
+
+
+@no_gpu
+def test_device_cpu_gives_the_rows_the_default_gives(tiny_policy_dir):
+    default = _rows(tiny_policy_dir)
+    assert default and _rows(tiny_policy_dir, device="cpu") == default
+
+
+@no_gpu
+def test_auto_and_cpu_name_one_live_engine_on_the_cpu(tiny_policy_dir):
+    with engines.released_engines():
+        auto, _, _ = engines.serving_engine("embedded", tiny_policy_dir, "float32", 0)
+        cpu, _, _ = engines.serving_engine("embedded", tiny_policy_dir, "float32", 0, device="cpu")
+        assert cpu is auto and auto.device == torch.device("cpu")
+
+
+@no_gpu
+@pytest.mark.parametrize("setting", ["cuda", "cuda:1"])
+def test_cuda_without_a_gpu_fails_where_the_stage_starts(tiny_policy_dir, tmp_path, setting):
+    line = f"device '{setting}' asked for CUDA"
+    with pytest.raises(DeviceError, match=line) as raised:
+        engines.serving_engine("embedded", tiny_policy_dir, "float32", 0, device=setting)
+    assert "\n" not in str(raised.value) and "set device to 'auto' or 'cpu'" in str(raised.value)
+    with pytest.raises(DeviceError, match=line):  # before any weights are read
+        engines.build_engine("embedded", tiny_policy_dir, "float32", 0, device=setting)
+    with pytest.raises(DeviceError, match=line):  # before a lease is taken or a step trained
+        run_prepare_base(storage=str(tmp_path / "data"), base_model="builtin", device=setting)
+    assert not (tmp_path / "data").exists()
+
+
+def test_a_cpu_copy_of_the_state_keeps_tied_weights_tied(tmp_path):
+    """What save_policy writes for a model on an accelerator: the same file a CPU model writes."""
+    config = LlamaConfig(
+        vocab_size=16,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(config)
+    state = cpu_state_dict(model)
+    assert state["lm_head.weight"] is state["model.embed_tokens.weight"]  # one copy: still tied
+    model.save_pretrained(tmp_path / "direct", safe_serialization=True)
+    model.save_pretrained(tmp_path / "copied", state_dict=state, safe_serialization=True)
+    direct, copied = (load_file(tmp_path / name / "model.safetensors") for name in ("direct", "copied"))
+    assert direct.keys() == copied.keys() and "lm_head.weight" not in copied
+    assert all(torch.equal(direct[k], copied[k]) for k in direct)

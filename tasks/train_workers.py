@@ -107,9 +107,8 @@ class TrainWorker:
     """One trainer process of a group: the actor body (wrapped with ``ray.remote`` by ``WorkerGroup``), or a
     plain object in a process of its own (the tests)."""
 
-    def __init__(self, device: str = "auto"):
-        # on a GPU actor Ray has made the actor's GPU the only visible one: 'cuda:N' means it
-        self.device = resolve_device("cuda" if device.startswith("cuda") else device)
+    def __init__(self, device: str = "cpu"):
+        self.device = resolve_device(device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         deterministic_kernels()
@@ -185,17 +184,18 @@ class TrainWorker:
 
 
 def train_in_processes(
-    world: int, parent_dir: str, shares: list[list[TrainBatch]], job: TrainJob
+    world: int, parent_dir: str, shares: list[list[TrainBatch]], job: TrainJob, device: str = "cpu"
 ) -> list[WorkerResult]:
-    """A group of ``world`` CPU workers as processes of this machine, joined by gloo, without Ray: each rank's
-    ``WorkerResult`` after training its ``shares`` from ``parent_dir``. For tests and benchmarks; campaigns
-    use ``WorkerGroup``."""
+    """A group of ``world`` workers as processes of this machine, without Ray: on its CPUs (gloo), or with
+    ``device`` 'cuda' on its first ``world`` GPUs (NCCL). Each rank's ``WorkerResult`` after training its
+    ``shares`` from ``parent_dir``. For tests and benchmarks; campaigns use ``WorkerGroup``."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{s.getsockname()[1]}"
     with tempfile.TemporaryDirectory(prefix="rlrounds-group-") as out:
         parent = read_files(parent_dir)
-        mp.spawn(_process_worker, args=(world, address, parent, shares, job, out), nprocs=world, join=True)
+        args = (world, address, parent, shares, job, out, device)
+        mp.spawn(_process_worker, args=args, nprocs=world, join=True)
         results = []
         for rank in range(world):
             with open(os.path.join(out, f"{rank}.pkl"), "rb") as f:
@@ -203,9 +203,11 @@ def train_in_processes(
     return results
 
 
-def _process_worker(rank: int, world: int, address: str, parent: dict, shares: list, job: TrainJob, out: str) -> None:
+def _process_worker(
+    rank: int, world: int, address: str, parent: dict, shares: list, job: TrainJob, out: str, device: str
+) -> None:
     set_threads(max(1, (os.cpu_count() or 1) // world))  # the machine's cores shared out, as Ray shares them
-    worker = TrainWorker("cpu")
+    worker = TrainWorker(f"cuda:{rank}" if device == "cuda" else "cpu")
     worker.join(rank, world, address, timeout_s=COLLECTIVE_TIMEOUT_S)
     try:
         result = worker.train(parent, dataclasses.replace(job, shares=shares[rank]))
@@ -275,7 +277,7 @@ class WorkerGroup:
                 scheduling_strategy=ray.util.scheduling_strategies.PlacementGroupSchedulingStrategy(
                     self.group, placement_group_bundle_index=i
                 ),
-            ).remote(device)
+            ).remote("cuda" if self.on_gpu else "cpu")  # Ray shows a GPU actor its GPU alone, as cuda:0
             for i in range(workers)
         ]
         self.places: list[dict] = [{"rank": i} for i in range(workers)]

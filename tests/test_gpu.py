@@ -227,3 +227,58 @@ def test_a_base_built_on_cuda_says_so_and_loads_on_the_cpu(tmp_path):
     assert meta["trained_on"] == {"device": "cuda"} and meta["steps"] == 4
     model, _ = load_policy(str(tmp_path))
     assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+# -- the trainer ------------------------------------------------------------------------------------
+
+
+def test_the_trainer_on_cuda_makes_the_cpu_update(tiny_policy_dir, tmp_path):
+    """Three fp32 steps on the GPU land within GPU rounding of the CPU's three steps."""
+    from tests.test_sharded_training import one_process, step_config, synthetic_rows, weight_gap
+
+    _, tokenizer = load_policy(tiny_policy_dir)
+    rows, config = synthetic_rows(tokenizer), step_config(precision="fp32")
+    one_process(tiny_policy_dir, rows, config, str(tmp_path / "cpu"))
+    one_process(tiny_policy_dir, rows, config, str(tmp_path / "cuda"), device="cuda")
+    worst, mean = weight_gap(str(tmp_path / "cpu"), str(tmp_path / "cuda"))
+    assert worst < 1e-4 and mean < 1e-6, (worst, mean)
+
+
+def test_bf16_mixed_precision_learns(tiny_policy_dir, tmp_path):
+    """bf16 autocast over fp32 weights raises the likelihood of the rewarded completions as fp32 does, and
+    leaves fp32 weights behind."""
+    from models.device import resolve_device
+    from tests.test_sharded_training import one_process, step_config, synthetic_rows
+
+    _, tokenizer = load_policy(tiny_policy_dir)
+    rows = synthetic_rows(tokenizer)
+    rewarded = [r for r in rows if r["advantage"] > 0]
+
+    def mean_logprob(path: str) -> float:
+        model = load_policy(path, device=resolve_device("cuda"))[0]
+        batch = pack_sequences(
+            [r["prompt_token_ids"] for r in rewarded], [r["completion_token_ids"] for r in rewarded], 0
+        )
+        batch = TokenBatch(*(t.to("cuda") for t in (batch.input_ids, batch.attention_mask, batch.completion_mask)))
+        with torch.no_grad():
+            logp = token_logprobs(model, batch)
+        return float((logp * batch.completion_mask).sum() / batch.completion_mask.sum())
+
+    out = str(tmp_path / "bf16")
+    stats, _ = one_process(tiny_policy_dir, rows, step_config(precision="bf16", epochs=4), out, device="cuda")
+    assert all(t.dtype == torch.float32 for t in load_state_dict(out).values())
+    assert mean_logprob(out) > mean_logprob(tiny_policy_dir) + 0.05, stats
+
+
+def test_two_gpu_workers_make_the_one_gpu_update(tiny_policy_dir, tmp_path):
+    """FSDP2 over NCCL on 2 GPUs against one GPU, fp32: within GPU rounding after three steps."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 CUDA devices ({torch.cuda.device_count()} here)")
+    from tests.test_sharded_training import one_process, step_config, synthetic_rows, two_workers, weight_gap
+
+    _, tokenizer = load_policy(tiny_policy_dir)
+    rows, config = synthetic_rows(tokenizer), step_config(precision="fp32")
+    one_process(tiny_policy_dir, rows, config, str(tmp_path / "one"), device="cuda")
+    two_workers(tiny_policy_dir, rows, config, str(tmp_path / "two"), device="cuda")
+    worst, mean = weight_gap(str(tmp_path / "one"), str(tmp_path / "two"))
+    assert worst < 1e-4 and mean < 1e-6, (worst, mean)

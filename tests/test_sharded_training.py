@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 GROUPS, SAMPLES = 5, 4  # with 2 groups per step: minibatches of 2, 2 and 1 groups (a worker idles in the last)
 
 
-def _rows(tokenizer, seed: int = 0) -> list[dict]:
+def synthetic_rows(tokenizer, seed: int = 0) -> list[dict]:
     """Kept rows of GROUPS groups: random prompts and completions of varied length, +-1 advantages."""
     rng = random.Random(seed)
     rows = []
@@ -39,42 +39,48 @@ def _rows(tokenizer, seed: int = 0) -> list[dict]:
     return rows
 
 
-def _config(**train):
+def step_config(**train):
     from tasks.config.train import TrainConfig
 
-    return TrainConfig(groups_per_step=2, steps_per_round=3, epochs=1, max_kl=None, learning_rate=1e-3, **train)
+    defaults = {"groups_per_step": 2, "steps_per_round": 3, "epochs": 1, "max_kl": None, "learning_rate": 1e-3}
+    return TrainConfig(**{**defaults, **train})
 
 
-def _one_process(parent: str, rows: list[dict], config, out: str) -> tuple[dict, dict]:
+def one_process(parent: str, rows: list[dict], config, out: str, device: str = "cpu") -> tuple[dict, dict]:
     """Train in this process as a one-worker round does; save into ``out``; (stats, resident bytes)."""
     from models.checkpoint import load_policy, save_policy
+    from models.device import resolve_device, resolve_precision
     from models.sharded import resident_bytes
-    from tasks.train import load_optimizer, save_optimizer
+    from tasks.train import load_optimizer, on_cpu, save_optimizer
     from tasks.update import minibatches, train_policy
 
+    placed = resolve_device(device)
     model, tokenizer = load_policy(parent)
+    model.to(placed)
     batches = minibatches(rows, config.groups_per_step, config.steps_per_round)
+    state, plan = load_optimizer(parent, model), [True] * len(batches)
     optimizer, stats = train_policy(
-        model, tokenizer.pad_token_id, batches, config, 1.0, load_optimizer(parent, model), 0, [True] * len(batches)
-    )
+        model, tokenizer.pad_token_id, batches, config, 1.0, state, 0, plan,
+        device=placed, precision=resolve_precision(config.precision, placed),
+    )  # fmt: skip
     memory = resident_bytes(model, optimizer)
-    save_policy(model, tokenizer, out)
-    save_optimizer(optimizer.state_dict(), out)
+    save_policy(model.cpu(), tokenizer, out)
+    save_optimizer(on_cpu(optimizer.state_dict()), out)
     return stats, memory
 
 
-def _two_workers(parent: str, rows: list[dict], config, out: str) -> list:
+def two_workers(parent: str, rows: list[dict], config, out: str, device: str = "cpu") -> list:
     from tasks.train_workers import TrainJob, train_in_processes, write_files
     from tasks.update import minibatches, sharded_minibatches
 
     steps = len(minibatches(rows, config.groups_per_step, config.steps_per_round))
     shares = sharded_minibatches(rows, config.groups_per_step, config.steps_per_round, None, 2)
-    results = train_in_processes(2, parent, shares, TrainJob([], config, 1.0, 0, [True] * steps))
+    results = train_in_processes(2, parent, shares, TrainJob([], config, 1.0, 0, [True] * steps), device)
     write_files(out, {name: data for r in results for name, data in r.files.items()})
     return results
 
 
-def _max_diff(a: str, b: str) -> tuple[float, float]:
+def weight_gap(a: str, b: str) -> tuple[float, float]:
     from models.checkpoint import load_state_dict
 
     left, right = load_state_dict(a), load_state_dict(b)
@@ -91,12 +97,12 @@ def test_two_workers_make_the_update_one_makes(tiny_policy_dir, tmp_path, aggreg
     from models.checkpoint import load_policy
 
     _, tokenizer = load_policy(tiny_policy_dir)
-    rows, config = _rows(tokenizer), _config(aggregation=aggregation)
+    rows, config = synthetic_rows(tokenizer), step_config(aggregation=aggregation)
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
-    stats, memory = _one_process(tiny_policy_dir, rows, config, one)
-    results = _two_workers(tiny_policy_dir, rows, config, two)
+    stats, memory = one_process(tiny_policy_dir, rows, config, one)
+    results = two_workers(tiny_policy_dir, rows, config, two)
 
-    worst, mean = _max_diff(one, two)
+    worst, mean = weight_gap(one, two)
     assert worst < 1e-5, f"2 workers moved the weights {worst:.2e} (max abs) from one process's update"
     sharded = results[0].stats
     untimed = [{k: v for k, v in r.stats.items() if not k.endswith("_s")} for r in results]
@@ -119,11 +125,11 @@ def test_checkpoints_continue_across_worker_counts(tiny_policy_dir, tmp_path):
     from tasks.train import load_optimizer
 
     _, tokenizer = load_policy(tiny_policy_dir)
-    config = _config()
-    first, second = _rows(tokenizer, seed=1), _rows(tokenizer, seed=2)
+    config = step_config()
+    first, second = synthetic_rows(tokenizer, seed=1), synthetic_rows(tokenizer, seed=2)
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
-    _one_process(tiny_policy_dir, first, config, one)
-    _two_workers(tiny_policy_dir, first, config, two)
+    one_process(tiny_policy_dir, first, config, one)
+    two_workers(tiny_policy_dir, first, config, two)
     assert os.path.isdir(os.path.join(two, OPTIMIZER_DIR)) and not os.path.exists(os.path.join(two, OPTIMIZER_FILE))
 
     model = load_policy(two)[0]  # the sharded round's state, read back in one process
@@ -134,13 +140,13 @@ def test_checkpoints_continue_across_worker_counts(tiny_policy_dir, tmp_path):
         assert torch.allclose(plain["state"][index]["exp_avg"], state["exp_avg"], rtol=1e-4, atol=1e-5)
 
     runs = {
-        "one -> one": (one, _one_process),
-        "two -> one": (two, _one_process),
-        "one -> two": (one, _two_workers),
-        "two -> two": (two, _two_workers),
+        "one -> one": (one, one_process),
+        "two -> one": (two, one_process),
+        "one -> two": (one, two_workers),
+        "two -> two": (two, two_workers),
     }
     for name, (parent, train) in runs.items():
         train(parent, second, config, str(tmp_path / name))
     for name in ("two -> one", "one -> two", "two -> two"):
-        worst, _ = _max_diff(str(tmp_path / "one -> one"), str(tmp_path / name))
+        worst, _ = weight_gap(str(tmp_path / "one -> one"), str(tmp_path / name))
         assert worst < 1e-5, f"{name}: {worst:.2e} from one process's two rounds"

@@ -28,6 +28,7 @@ import contextlib
 import functools
 import json
 import os
+import signal
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -214,11 +215,17 @@ def connect_ray(placement: Placement) -> None:
     if ray.is_initialized():
         return
     quiet = {"include_dashboard": False, "log_to_driver": False, "configure_logging": False}
+    # ray.init makes SIGTERM exit the process at once (SystemExit, then an abort at exit); the command's own
+    # handler (flows/cli.py) unwinds it instead, releasing what it started, so it is put back
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    on_sigterm = signal.getsignal(signal.SIGTERM) if in_main_thread else None
     if placement.ray_address:
         ray.init(address=placement.ray_address, **quiet)
     else:
         # Logical CPUs: each replica gets one even on a machine with fewer cores than replicas.
         ray.init(num_cpus=max(os.cpu_count() or 1, placement.replicas), **quiet)
+    if on_sigterm is not None:
+        signal.signal(signal.SIGTERM, on_sigterm)
 
 
 def serving_engine(

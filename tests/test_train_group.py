@@ -75,11 +75,17 @@ def _lineage(storage: str, run_id: str, round_index: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def rounds(tmp_path_factory, seed_builtin_base) -> dict:
-    """One default round from the built-in base at 1 worker and at 2 (two rounds, to see the group live on)."""
+def seeded(tmp_path_factory, seed_builtin_base) -> tuple:
+    """A storage root holding the built-in base, and a folder for configs."""
     home = tmp_path_factory.mktemp("train-group")
-    storage = str(home / "data")
-    seed_builtin_base(storage)
+    seed_builtin_base(str(home / "data"))
+    return home, str(home / "data")
+
+
+@pytest.fixture(scope="module")
+def rounds(seeded) -> dict:
+    """One default round from the built-in base at 1 worker and at 2 (two rounds, to see the group live on)."""
+    home, storage = seeded
     out = {"storage": storage, "home": home}
     out["w1"] = _run(home, storage, _campaign(1, "w1"))
     out["w2"] = _run(home, storage, _campaign(2, "w2", rounds=2))
@@ -155,3 +161,30 @@ def test_a_two_worker_round_replays_bitwise_at_two_workers(rounds):
     again, original = load_file(os.path.join(replayed, "model.safetensors")), _weights(storage, "w2", 2)
     assert all(again[k].equal(original[k]) for k in original)
     assert _workers() == []
+
+
+def test_a_sigtermed_campaign_stops_its_worker_group_and_its_ray(seeded, tmp_path):
+    """SIGTERM while the group trains: the campaign exits 143 and nothing it started is left, neither the
+    trainer workers nor the local Ray that holds them (every process it marked is gone)."""
+    from tests.test_orphans import _marked_by
+
+    process = _start(tmp_path, seeded[1], _campaign(2, "sigterm"))
+    try:
+        deadline = time.monotonic() + 900
+        while len(_workers()) < 2 and time.monotonic() < deadline and process.poll() is None:
+            time.sleep(0.2)
+        assert len(_workers()) == 2, "the group never started"
+        started = _marked_by(process.pid)
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=120)
+        assert process.returncode == 128 + signal.SIGTERM, err[-2000:]
+    finally:
+        process.kill()
+    time.sleep(2)
+    assert _workers() == []
+    assert [pid for pid in started if os.path.exists(f"/proc/{pid}") and _alive(pid)] == []
+
+
+def _alive(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has exited

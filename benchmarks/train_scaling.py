@@ -142,7 +142,7 @@ def main() -> None:
     hf_logging.set_verbosity_error()
     rows = []
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; 1 worker: every core, 2: one each")
-    heads = ["model", "params", "tok/step", "step s 1w", "2w", "2w/1w", "tok/s 1w", "2w", "MiB/worker 1w", "2w"]
+    heads = ["model", "params", "tok/step", "step s 1w", "2w", "2w/1w", "tok/s 1w", "2w", "MiB 1w", "2w"]
     print(" ".join(f"{h:>9}" for h in heads), f"{'ratio':>6} {'max|d|':>9} {'mean|d|':>9}")
     for name in args.models.split(","):
         row = measure(name, args.steps, args.samples)

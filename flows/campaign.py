@@ -27,7 +27,7 @@ from storage.paths import StorageRoot
 from storage.settings import settings
 from tasks.engines import released_engines
 from tasks.start import StartPoint
-from tasks.train_workers import released_workers
+from tasks.train_workers import released_workers, worker_group
 
 log = logging.getLogger("rlrounds")
 
@@ -174,6 +174,9 @@ def run_rounds(
     finished round is added to ``history`` (and the rounds table); returns the last model version."""
     last = start.round + config.rounds
     parent_checkpoint, parent_version = start.checkpoint, start.model_version
+    rc = config.round
+    if rc.train.workers > 1 and last > start.round:  # before any rollout replica takes the cluster's free CPUs
+        worker_group(rc.train.workers, rc.device, rc.rollout.ray_address)
     for k in range(start.round + 1, last + 1):
         assert_owner(StorageRoot.of(storage), run_id, owner)  # a process that lost a takeover stops here
         result = run_round(

@@ -284,6 +284,7 @@ class WorkerGroup:
         address = self._wait([self.actors[0].rendezvous.remote()], "start")[0]
         self.places = self._wait([a.join.remote(i, workers, address) for i, a in enumerate(self.actors)], "join")
         self.key = (workers, device, ray_address)
+        self.rounds = 0  # rounds this group has trained
 
     @property
     def workers(self) -> int:
@@ -300,7 +301,9 @@ class WorkerGroup:
         ]
         results: list[WorkerResult] = self._wait(calls, "train")
         files = {name: data for r in results for name, data in r.files.items()}
-        return files, results[0].stats, [r.memory for r in results]
+        self.rounds += 1
+        stats = {**results[0].stats, "train/group_rounds": self.rounds}  # 1 when this round started the group
+        return files, stats, [r.memory for r in results]
 
     def _wait(self, calls: list, what: str) -> list:
         """Every call's result, in call order; the first to fail stops the group and names its worker."""

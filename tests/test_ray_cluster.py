@@ -1,8 +1,8 @@
 """A campaign attached to a Ray cluster it did not start: `ray start --head` on loopback, then
-`rlrounds run --replicas 2 --ray-address HOST:PORT`, as a user with a cluster runs it. The cluster's
-own record (its GCS) shows the engine replicas ran there as actors; the rollout's verifier calls run
-there as Ray tasks (a verifier the cluster could not run would fail the round as infrastructure
-failures). The cluster is stopped at the end.
+`rlrounds run --replicas 2 --ray-address HOST:PORT` with train.workers 2, as a user with a cluster runs
+it. The cluster's own record (its GCS) shows the engine replicas and the trainer's workers ran there as
+actors; the rollout's verifier calls run there as Ray tasks (a verifier the cluster could not run would
+fail the round as infrastructure failures). The cluster is stopped at the end.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def cluster():
             "--head",
             "--node-ip-address=127.0.0.2",
             f"--port={port}",
-            "--num-cpus=2",
+            "--num-cpus=4",  # 2 engine replicas and 2 trainer workers
             "--include-dashboard=false",
             f"--temp-dir={temp}",
             "--disable-usage-stats",
@@ -127,7 +127,7 @@ def test_a_campaign_runs_its_replicas_on_an_existing_cluster(cluster, tmp_path, 
                 "round": {
                     "rollout": {"max_batch": 64},
                     "verify": {"on_ray": True},
-                    "train": {"groups_per_step": 2, "steps_per_round": 2},
+                    "train": {"groups_per_step": 2, "steps_per_round": 2, "workers": 2},
                     "publish": {"model_name": "cluster-policy"},
                 },
             }
@@ -172,3 +172,5 @@ def test_a_campaign_runs_its_replicas_on_an_existing_cluster(cluster, tmp_path, 
     replicas = [(name, state) for name, state in every if "EngineReplica" in name]
     assert len(replicas) >= 2, every  # the campaign's two engine replicas ran on this cluster
     assert all(state == "DEAD" for _, state in replicas), replicas  # released when the campaign ended
+    workers = [(name, state) for name, state in every if "TrainWorker" in name]
+    assert len(workers) == 2 and all(state == "DEAD" for _, state in workers), every  # the trainer's group too

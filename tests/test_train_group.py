@@ -109,6 +109,24 @@ def test_two_workers_train_a_default_round_as_one_does(rounds):
     assert _workers() == [], "the campaigns ended: no trainer worker may be left"
 
 
+def test_the_group_lives_across_rounds_and_lineage_says_who_trained(rounds):
+    """Round 2 of the 2-worker campaign trained on the group round 1 started; each registered version is
+    tagged with the worker count, device and precision that trained it."""
+    from mlflow import MlflowClient
+
+    db = f"sqlite:///{rounds['storage']}/mlflow.db"
+    client = MlflowClient(tracking_uri=db, registry_uri=db)
+    versions = sorted(client.search_model_versions("name = 'group-w2'"), key=lambda v: int(v.version))
+    assert [v.tags["round"] for v in versions] == ["0", "1", "2"]
+    assert [client.get_run(v.run_id).data.metrics["train/group_rounds"] for v in versions[1:]] == [1.0, 2.0]
+    for v in versions[1:]:
+        assert (v.tags["trained_on.workers"], v.tags["trained_on.device"], v.tags["trained_on.precision"]) == (
+            "2",
+            "cpu",
+            "fp32",
+        )
+
+
 def test_a_killed_worker_fails_the_round_naming_it_and_resume_finishes_it(rounds, tmp_path):
     """SIGKILL one worker once the group trains round 1: the campaign fails within KILL_BOUND_S with the
     worker named, leaves no worker behind, and ``--resume`` commits round 1 with the weights of the

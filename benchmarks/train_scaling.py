@@ -70,22 +70,26 @@ def synthetic_rows(tokenizer, groups: int, samples: int, tokens: int, seed: int 
     return rows
 
 
-def one_worker(parent: str, rows: list[dict], config) -> tuple[dict, dict, dict]:
-    """(stats, resident bytes, weights) of the update in this process."""
+def one_worker(parent: str, rows: list[dict], config, device) -> tuple[dict, dict, dict]:
+    """(stats, resident bytes, weights) of the update in this process, on ``device``."""
     from models.checkpoint import load_policy
+    from models.device import resolve_precision
     from models.sharded import resident_bytes
     from tasks.update import minibatches, train_policy
 
     model, tokenizer = load_policy(parent)
+    model.to(device)
     batches = minibatches(rows, config.groups_per_step, config.steps_per_round)
     optimizer, stats = train_policy(
-        model, tokenizer.pad_token_id, batches, config, 1.0, None, 0, [False] * len(batches)
-    )
-    return stats, resident_bytes(model, optimizer), {k: v.detach().clone() for k, v in model.state_dict().items()}
+        model, tokenizer.pad_token_id, batches, config, 1.0, None, 0, [False] * len(batches),
+        device=device, precision=resolve_precision(config.precision, device),
+    )  # fmt: skip
+    weights = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    return stats, resident_bytes(model, optimizer), weights
 
 
-def two_workers(parent: str, rows: list[dict], config) -> tuple[dict, list[dict], dict]:
-    """(stats, each rank's resident bytes, weights) of the update on 2 gloo workers."""
+def two_workers(parent: str, rows: list[dict], config, device) -> tuple[dict, list[dict], dict]:
+    """(stats, each rank's resident bytes, weights) of the update on 2 workers: gloo on CPUs, NCCL on 2 GPUs."""
     from safetensors.torch import load
 
     from tasks.train_workers import TrainJob, train_in_processes
@@ -93,12 +97,13 @@ def two_workers(parent: str, rows: list[dict], config) -> tuple[dict, list[dict]
 
     steps = len(minibatches(rows, config.groups_per_step, config.steps_per_round))
     shares = sharded_minibatches(rows, config.groups_per_step, config.steps_per_round, None, 2)
-    results = train_in_processes(2, parent, shares, TrainJob([], config, 1.0, 0, [False] * steps))
+    job = TrainJob([], config, 1.0, 0, [False] * steps)
+    results = train_in_processes(2, parent, shares, job, device.type)
     weights = load(results[0].files["model.safetensors"])
     return results[0].stats, [r.memory for r in results], weights
 
 
-def measure(name: str, steps: int, samples: int) -> dict:
+def measure(name: str, steps: int, samples: int, device) -> dict:
     import torch
 
     from models.checkpoint import load_policy
@@ -110,9 +115,10 @@ def measure(name: str, steps: int, samples: int) -> dict:
         _, tokenizer = load_policy(parent)
         rows = synthetic_rows(tokenizer, groups * steps, samples, tokens)
         trained = sum(len(r["completion_token_ids"]) for r in rows)
-        config = TrainConfig(groups_per_step=groups, steps_per_round=steps, epochs=1, max_kl=None)
-        stats1, memory1, weights1 = one_worker(parent, rows, config)
-        stats2, memory2, weights2 = two_workers(parent, rows, config)
+        # fp32 on every device: the equivalence check compares two fp32 updates
+        config = TrainConfig(groups_per_step=groups, steps_per_round=steps, epochs=1, max_kl=None, precision="fp32")
+        stats1, memory1, weights1 = one_worker(parent, rows, config, device)
+        stats2, memory2, weights2 = two_workers(parent, rows, config, device)
     diffs = torch.cat([(weights1[k] - weights2[k]).abs().flatten() for k in weights1])
     row = {"model": name, "parameters": params, "steps": steps, "tokens_per_step": trained / steps}
     for workers, stats, memory in ((1, stats1, [memory1]), (2, stats2, memory2)):
@@ -129,23 +135,34 @@ def measure(name: str, steps: int, samples: int) -> dict:
     return row
 
 
+def torch_gpu_name() -> str:
+    import torch
+
+    return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {', '.join(MODELS)}")
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps per measurement")
     parser.add_argument("--samples", type=int, default=4, help="samples per group")
+    parser.add_argument("--device", default="auto", help="auto, cpu or cuda (2 workers on CUDA need 2 GPUs)")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     from transformers.utils import logging as hf_logging
 
+    from models.device import resolve_device
+
     hf_logging.set_verbosity_error()
+    device = resolve_device(args.device)
     rows = []
-    print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; 1 worker: every core, 2: one each")
+    where = f"{os.cpu_count()} CPUs" if device.type == "cpu" else torch_gpu_name()
+    print(f"# {platform.machine()}, {where}; 1 worker: every core, 2: one each (or a GPU each)")
     heads = ["model", "params", "tok/step", "step s 1w", "2w", "2w/1w", "tok/s 1w", "2w", "MiB 1w", "2w"]
     print(" ".join(f"{h:>9}" for h in heads), f"{'ratio':>6} {'max|d|':>9} {'mean|d|':>9}")
     for name in args.models.split(","):
-        row = measure(name, args.steps, args.samples)
+        row = measure(name, args.steps, args.samples, device)
         rows.append(row)
         mib = [sum(m.values()) / 2**20 for m in row["w1"]["per_worker_bytes"] + row["w2"]["per_worker_bytes"]]
         print(

@@ -130,6 +130,21 @@ def load_state_dict(path: str, device: torch.device | str = "cpu") -> dict[str, 
     return load_file(os.path.join(path, WEIGHTS_FILE), device=str(device))
 
 
+def assign_weights(model: Any, state: dict[str, torch.Tensor]) -> None:
+    """Copy a checkpoint's weights into ``model`` in place. A model with tied embeddings (most small instruct
+    models) is saved without its output head, which shares the embedding's tensor and so is loaded with it;
+    any other key missing or extra is an error."""
+    result = model.load_state_dict(state, strict=False)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded = {params[k].data_ptr() for k in state if k in params}
+    untied = [k for k in result.missing_keys if k not in params or params[k].data_ptr() not in loaded]
+    if untied or result.unexpected_keys:
+        raise PolicyLoadError(
+            f"checkpoint weights do not fit the served model (missing {untied[:3]}, unexpected "
+            f"{result.unexpected_keys[:3]}); load a checkpoint of the same architecture"
+        )
+
+
 def save_policy(model: Any, tokenizer: Any, path: str) -> None:
     """Write ``model`` and ``tokenizer`` as a Hugging Face directory, from CPU tensors wherever the model lives,
     so a checkpoint saved on one device loads on any other."""

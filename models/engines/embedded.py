@@ -21,7 +21,7 @@ from typing import Literal
 
 import torch
 
-from models.checkpoint import load_state_dict
+from models.checkpoint import assign_weights, load_state_dict
 from models.engines.kv_cache import PaddedCache, SlotCache, distinct_inputs, slot_cache_applies
 from models.engines.types import (
     ABORT,
@@ -136,7 +136,7 @@ class EmbeddedEngine(RolloutEngine):
     def load_weights(self, checkpoint_dir: str, policy_version: int) -> float:
         state = load_state_dict(checkpoint_dir, self.device)  # read before pausing: only the copy blocks serving
         paused = time.perf_counter()
-        self.model.load_state_dict(state)
+        assign_weights(self.model, state)
         self.policy_version = policy_version
         return time.perf_counter() - paused
 
@@ -232,7 +232,7 @@ class EmbeddedEngine(RolloutEngine):
         again under it and return their next-token logits (the caller skips a decode step), else None."""
         state = load_state_dict(directory, self.device)  # read before pausing: only the copy and the recompute block
         paused = time.perf_counter()
-        self.model.load_state_dict(state)
+        assign_weights(self.model, state)
         self.policy_version = version
         logits = None
         if self.update_kv == "recompute" and seqs:

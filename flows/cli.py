@@ -331,6 +331,7 @@ KNOWN_INPUT_ERRORS = frozenset(
         "models.checkpoint.PolicyLoadError",
         "models.device.DeviceError",
         "tasks.prompts.PromptError",
+        "models.prompt.ChatTemplateError",
         "storage.campaigns.CampaignError",
         "tasks.verifiers.pool.InfraFailureRateError",
         "storage.model_versions.LineageError",  # includes storage.lineage.AuditError, tasks.replay.ReplayError

@@ -172,9 +172,10 @@ class CampaignConfig(Config):
         shape.pop("device")  # where it computes: a CPU campaign may be resumed on a GPU machine
         for field in PLACEMENT_FIELDS["rollout"]:  # likewise how much of a GPU, and how many, the engine takes
             shape["rollout"].pop(field)
-        for field, default in IDENTITY_SINCE.items():  # campaigns recorded before these fields still resume
-            if shape["train"][field] == default:
-                shape["train"].pop(field)
+        for section, added in IDENTITY_SINCE.items():  # campaigns recorded before these fields still resume
+            for field, default in added.items():
+                if shape[section][field] == default:
+                    shape[section].pop(field)
         return {"experiment": self.experiment, "round": shape}
 
     @field_validator("run_id")
@@ -190,8 +191,17 @@ class CampaignConfig(Config):
 PLACEMENT_FIELDS = {"rollout": ("gpu_memory_utilization", "tensor_parallel_size")}
 """Fields that say how much hardware a stage takes, not what it computes: never part of a campaign's identity."""
 
-IDENTITY_SINCE = {"workers": 1, "precision": "auto"}
-"""Train fields added after campaigns were first recorded: left out of a campaign's identity at these values,
+IDENTITY_SINCE = {
+    "train": {"workers": 1, "precision": "auto"},
+    "prompts": {
+        "prompt_column": "prompt",
+        "reference_column": "reference",
+        "chat_template": False,
+        "system_prompt": None,
+    },
+    "rollout": {"stop": []},
+}
+"""Fields added after campaigns were first recorded, by section: left out of a campaign's identity at these values,
 so a campaign started before them resumes as it ran."""
 
 

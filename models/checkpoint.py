@@ -92,6 +92,27 @@ def context_length(path: str) -> int | None:
     return None
 
 
+def stop_token_ids(path: str, tokenizer: Any) -> tuple[int, ...]:
+    """The ids that end a sample: the tokenizer's end-of-sequence token and the model's own, from its
+    generation_config.json (else config.json), where instruct models often list several (an end-of-turn token
+    beside end-of-text). Read as JSON, so both engines get the same set."""
+    ids = set() if tokenizer.eos_token_id is None else {int(tokenizer.eos_token_id)}
+    for name in ("generation_config.json", "config.json"):
+        try:
+            with open(os.path.join(path, name)) as f:
+                listed = json.load(f).get("eos_token_id")
+        except (OSError, ValueError):
+            continue
+        if listed is not None:
+            ids.update(int(i) for i in (listed if isinstance(listed, list) else [listed]))
+            break
+    if not ids:
+        raise PolicyLoadError(
+            f"policy directory {path} names no end-of-sequence token; set eos_token in its tokenizer_config.json"
+        )
+    return tuple(sorted(ids))
+
+
 def load_policy(path: str, dtype: str = "float32", device: torch.device | str = "cpu") -> tuple[Any, Any]:
     """(model, tokenizer) from a Hugging Face causal-LM directory, in eval mode on ``device`` (the CPU unless
     told: ``models.device.resolve_device`` turns a round's setting into one)."""
@@ -107,6 +128,21 @@ def load_policy(path: str, dtype: str = "float32", device: torch.device | str = 
 def load_state_dict(path: str, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
     """A checkpoint's weights, read onto ``device``."""
     return load_file(os.path.join(path, WEIGHTS_FILE), device=str(device))
+
+
+def assign_weights(model: Any, state: dict[str, torch.Tensor]) -> None:
+    """Copy a checkpoint's weights into ``model`` in place. A model with tied embeddings (most small instruct
+    models) is saved without its output head, which shares the embedding's tensor and so is loaded with it;
+    any other key missing or extra is an error."""
+    result = model.load_state_dict(state, strict=False)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded = {params[k].data_ptr() for k in state if k in params}
+    untied = [k for k in result.missing_keys if k not in params or params[k].data_ptr() not in loaded]
+    if untied or result.unexpected_keys:
+        raise PolicyLoadError(
+            f"checkpoint weights do not fit the served model (missing {untied[:3]}, unexpected "
+            f"{result.unexpected_keys[:3]}); load a checkpoint of the same architecture"
+        )
 
 
 def save_policy(model: Any, tokenizer: Any, path: str) -> None:

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 from transformers import AutoTokenizer
 
-from models.checkpoint import check_policy_dir, load_policy
+from models.checkpoint import check_policy_dir, load_policy, stop_token_ids
 from models.device import resolve_device
 from models.engines.embedded import EmbeddedEngine
 from models.engines.replicas import ReplicaRouter
@@ -126,7 +126,13 @@ def build_engine(
     if kind == "embedded":
         model, tokenizer = load_policy(local_dir, dtype=dtype, device=resolve_device(device))
         return EmbeddedEngine(
-            model, tokenizer.eos_token_id, tokenizer.pad_token_id, max_batch, policy_version, update_kv
+            model,
+            stop_token_ids(local_dir, tokenizer),
+            tokenizer.pad_token_id,
+            max_batch,
+            policy_version,
+            update_kv,
+            decode=functools.partial(tokenizer.decode, skip_special_tokens=False),
         )
     if kind == "vllm":
         try:

@@ -22,6 +22,7 @@ from models.builtin.base_policy import build_model
 from models.builtin.tokenizer import build_char_tokenizer
 from models.checkpoint import check_policy_dir, context_length
 from models.device import resolve_device
+from models.prompt import encode_prompt
 from storage import checkpoints
 from storage.paths import StorageRoot
 from storage.settings import settings
@@ -50,9 +51,9 @@ def base_tokenizer_and_context(storage: str, base_model: str) -> tuple[Any, int 
 
 def longest_prompt(prompts, tokenizer) -> tuple[Any, int]:
     """(prompt, its length in tokens) of the longest prompt, as rollout tokenizes it."""
-    lengths = tokenizer([p.text for p in prompts])["input_ids"]
-    index = max(range(len(prompts)), key=lambda i: len(lengths[i]))
-    return prompts[index], len(lengths[index])
+    lengths = [len(encode_prompt(tokenizer, p)[1]) for p in prompts]
+    index = max(range(len(prompts)), key=lambda i: lengths[i])
+    return prompts[index], lengths[index]
 
 
 def check_fits(prompts, tokenizer, max_context: int | None, new_tokens: int, source: str, setting: str) -> int:
@@ -75,7 +76,7 @@ def run_preflight(*, config: Any, storage: str) -> Checked:
     if config.prompts.source in BUILTIN_SOURCES:  # a built-in stream is endless: check its longest prompt
         training = [BUILTIN_SOURCES[config.prompts.source].data.longest_prompt()]
     else:
-        training = load_prompt_file(config.prompts.source, config.prompts.task)
+        training = load_prompt_file(config.prompts.source, config.prompts.task, config.prompts)
     held_out = evaluation_prompts(config.prompts, config.evaluate.source)
     tokenizer, max_context = base_tokenizer_and_context(storage, config.policy.base_model)
     longest = check_fits(

@@ -20,13 +20,14 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Annotated
 
 from transformers import PreTrainedTokenizerBase
 
 from models.checkpoint import context_length
 from models.engines.types import GroupRequest, RolloutEngine, SamplingParams
+from models.prompt import encode_prompt
 from storage import checkpoints
 from storage.paths import StorageRoot
 from storage.trajectories import (
@@ -89,15 +90,15 @@ def generate_and_verify(
     ``max_context``: the model's positions; a prompt that cannot fit with rollout.max_tokens is an
     input error, raised before it is generated (the engine would fail deep inside, or silently wrap)."""
     verifier_name = verify.verifier or prompts.task
-    sampling = SamplingParams(rollout.temperature, rollout.top_p, rollout.max_tokens, seed)
+    sampling = SamplingParams(rollout.temperature, rollout.top_p, rollout.max_tokens, seed, stop=tuple(rollout.stop))
     stream = prompt_stream(prompts, seed)
-    carried = groups_from_carry(carried_rows or [])
+    carried = groups_from_carry(carried_rows or [], tuple(rollout.stop))
     start = time.time()
 
     skipped = 0
     # Prompts recur within a round and completions far more (a few distinct answers per prompt), so
     # each distinct text is tokenized once and each distinct completion decoded once.
-    encoded: dict[str, tuple[int, ...]] = {}
+    encoded: dict[tuple, tuple[str, tuple[int, ...]]] = {}
     decoded: dict[tuple[int, ...], str] = {}
 
     def fresh():
@@ -110,9 +111,12 @@ def generate_and_verify(
                 if admitted(seed, position, weight):
                     break
                 skipped += 1
-            ids = encoded.get(prompt.text)
-            if ids is None:
-                ids = encoded[prompt.text] = tuple(tokenizer(prompt.text)["input_ids"])
+            key = (prompt.text, prompt.messages)
+            if key not in encoded:
+                encoded[key] = encode_prompt(tokenizer, prompt)
+            text, ids = encoded[key]
+            if text != prompt.text:  # rendered through the chat template: rows store what the engine saw
+                prompt = replace(prompt, text=text)
             if max_context is not None and len(ids) + rollout.max_tokens > max_context:
                 raise PromptError(
                     context_overflow(prompts.source, prompt.prompt_id, len(ids), rollout.max_tokens, max_context)

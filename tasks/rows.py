@@ -74,8 +74,9 @@ def sample_row(group: Group, slot: Slot, context: dict, carried: bool = False) -
     )
 
 
-def groups_from_carry(rows: list[TrajectoryRow]) -> list[Group]:
-    """The ready pool's groups from a committed carry-over (rows as ``sample_row`` built them)."""
+def groups_from_carry(rows: list[TrajectoryRow], stop: tuple[str, ...] = ()) -> list[Group]:
+    """The ready pool's groups from a committed carry-over (rows as ``sample_row`` built them). ``stop``: the
+    campaign's stop strings (rows do not record them; a resumed campaign has the same)."""
     by_group: dict[str, list[TrajectoryRow]] = {}
     for row in rows:
         by_group.setdefault(row.group_id, []).append(row)
@@ -88,7 +89,7 @@ def groups_from_carry(rows: list[TrajectoryRow]) -> list[Group]:
             group_id,
             tuple(first.prompt_token_ids),
             len(members),
-            SamplingParams(sp["temperature"], sp["top_p"], sp["max_tokens"], sp["seed"]),
+            SamplingParams(sp["temperature"], sp["top_p"], sp["max_tokens"], sp["seed"], stop=stop),
         )
         prompt = Prompt(prompt_id=first.prompt_id, task=first.task, text=first.prompt_text, reference=first.reference)
         weight = first.prompt_weight  # None: written before the curriculum, which drew every prompt

@@ -176,3 +176,14 @@ def _set_env(values: dict) -> None:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+@pytest.fixture(scope="session")
+def chat_policy_dir(tmp_path_factory) -> str:
+    """The worked example's own model (models/builtin/chat_example.py): a tiny Qwen2, byte-level BPE, a chat
+    template, two end-of-sequence ids and a distinct pad; built once a session (seconds)."""
+    from models.builtin.chat_example import build_chat_policy
+
+    path = str(tmp_path_factory.mktemp("chat-policy"))
+    build_chat_policy(path)
+    return path

@@ -128,7 +128,7 @@ def test_sampling_follows_the_softmax():
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     group = GroupRequest("g", (1,), 4000, SamplingParams(temperature=1.0, seed=11))
     seqs = [_Sequence(group, i, seed=1000 + i) for i in range(4000)]
-    tokens, logprobs = sample_tokens(probs.log().repeat(4000, 1), seqs, eos_token_id=99)
+    tokens, logprobs = sample_tokens(probs.log().repeat(4000, 1), seqs, stop_token_ids=99)
     freq = torch.bincount(tokens, minlength=4).float() / 4000
     stderr = (probs * (1 - probs) / 4000).sqrt()
     assert ((freq - probs).abs() < 3 * stderr + 1e-3).all(), freq

@@ -38,7 +38,7 @@ def test_jsonl_and_parquet_files(tmp_path):
     "content, fragment",
     [
         ('{"prompt": "1+1="\n', "not valid JSON"),  # truncated line: names the line
-        ('{"prompt": "1+1="}\n', "lacks a string 'prompt' and a 'reference'"),  # missing reference
+        ('{"prompt": "1+1="}\n', "has no 'reference'"),  # missing reference: names the setting
         ("\n\n", "holds no prompts"),  # empty file
     ],
 )

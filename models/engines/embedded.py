@@ -15,13 +15,13 @@ It is a ``RolloutEngine`` (models/engines/types.py: partial rollouts, weight upd
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
-from models.checkpoint import load_state_dict
+from models.checkpoint import assign_weights, load_state_dict
 from models.engines.kv_cache import PaddedCache, SlotCache, distinct_inputs, slot_cache_applies
 from models.engines.types import (
     ABORT,
@@ -89,17 +89,22 @@ class EmbeddedEngine(RolloutEngine):
     def __init__(
         self,
         model,
-        eos_token_id: int,
+        eos_token_id: int | Iterable[int],
         pad_token_id: int,
         max_batch: int = 1024,
         policy_version: int = 0,
         update_kv: UpdateKV = "recompute",
         kv_cache: KVCacheKind = "auto",
+        decode: Callable[[Sequence[int]], str] | None = None,
     ):
+        """``eos_token_id``: the token, or tokens, that end a sample (``models.checkpoint.stop_token_ids``: the
+        tokenizer's and the generation config's). ``decode``: token ids to text, to match ``SamplingParams.stop``
+        strings (without it, a request with stop strings is refused)."""
         self.update_kv = update_kv
         self.model = model.eval()
-        self.eos_token_id = eos_token_id
+        self.stop_token_ids = frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
         self.pad_token_id = pad_token_id
+        self.decode = decode
         self.max_batch = max_batch
         self.policy_version = policy_version
         self.device = next(model.parameters()).device
@@ -131,7 +136,7 @@ class EmbeddedEngine(RolloutEngine):
     def load_weights(self, checkpoint_dir: str, policy_version: int) -> float:
         state = load_state_dict(checkpoint_dir, self.device)  # read before pausing: only the copy blocks serving
         paused = time.perf_counter()
-        self.model.load_state_dict(state)
+        assign_weights(self.model, state)
         self.policy_version = policy_version
         return time.perf_counter() - paused
 
@@ -157,6 +162,8 @@ class EmbeddedEngine(RolloutEngine):
                 if group is None:
                     break
                 group.check()
+                if group.sampling.stop and self.decode is None:
+                    raise ValueError(f"group {group.group_id} has stop strings but this engine was given no decode")
                 waiting.extend(_Sequence.of(group, i) for i in group.sample_indices())
             admitted, waiting[:] = waiting[:slots], waiting[slots:]
             return admitted
@@ -192,14 +199,14 @@ class EmbeddedEngine(RolloutEngine):
                         seqs = seqs + admitted
                 if not seqs:
                     return
-                tokens, logprobs = sample_tokens(logits, seqs, self.eos_token_id)
+                tokens, logprobs = sample_tokens(logits, seqs, self.stop_token_ids)
                 now = time.time()
                 keep: list[int] = []
                 for row, (s, token, logprob) in enumerate(zip(seqs, tokens.tolist(), logprobs.tolist())):
                     s.tokens.append(token)
                     s.logprobs.append(logprob)
                     s.versions.append(self.policy_version)
-                    stop = token == self.eos_token_id and not s.group.sampling.ignore_eos
+                    stop = not s.group.sampling.ignore_eos and (token in self.stop_token_ids or self._stop_string(s))
                     if stop or len(s.tokens) >= s.group.sampling.max_tokens:
                         finished += 1
                         yield s.sample("stop" if stop else "length", now)
@@ -211,12 +218,21 @@ class EmbeddedEngine(RolloutEngine):
                     tokens = tokens[order]
                 last = tokens
 
+    def _stop_string(self, s: _Sequence) -> bool:
+        """Whether the token just sampled completed one of the request's stop strings. Only the tail is decoded:
+        enough tokens for the longest string even at one byte a token (earlier steps checked the rest)."""
+        stop = s.group.sampling.stop
+        if not stop:
+            return False
+        tail = self.decode(s.tokens[-(4 * max(map(len, stop)) + 4) :])
+        return any(text in tail for text in stop)
+
     def _swap(self, cache, seqs: list[_Sequence], directory: str, version: int, update: WeightUpdate):
         """Load ``version`` between two decode steps; with ``recompute``, prefill the sequences in flight
         again under it and return their next-token logits (the caller skips a decode step), else None."""
         state = load_state_dict(directory, self.device)  # read before pausing: only the copy and the recompute block
         paused = time.perf_counter()
-        self.model.load_state_dict(state)
+        assign_weights(self.model, state)
         self.policy_version = version
         logits = None
         if self.update_kv == "recompute" and seqs:
@@ -244,7 +260,9 @@ class EmbeddedEngine(RolloutEngine):
         return cache.admit(inputs, owner, width)
 
 
-def sample_tokens(logits: torch.Tensor, seqs: list[_Sequence], eos_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_tokens(
+    logits: torch.Tensor, seqs: list[_Sequence], stop_token_ids: int | Iterable[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row; return it and its logprob under the distribution it was drawn from.
 
     logits: [B, V] float32. Each row uses its own temperature and top-p. Gumbel-max on the processed
@@ -257,8 +275,9 @@ def sample_tokens(logits: torch.Tensor, seqs: list[_Sequence], eos_token_id: int
     temps = torch.tensor([s.group.sampling.temperature for s in seqs], dtype=logits.dtype, device=device)
     top_ps = torch.tensor([s.group.sampling.top_p for s in seqs], dtype=logits.dtype, device=device)
     ignore = [row for row, s in enumerate(seqs) if s.group.sampling.ignore_eos]
-    if ignore:  # benchmarks: never sample eos when it is ignored
-        logits[ignore, eos_token_id] = float("-inf")
+    if ignore:  # benchmarks: never sample a stop token when it is ignored
+        stops = [stop_token_ids] if isinstance(stop_token_ids, int) else sorted(stop_token_ids)
+        logits[torch.tensor(ignore, device=device).unsqueeze(-1), torch.tensor(stops, device=device)] = float("-inf")
     greedy = temps == 0
     scaled = logits / torch.where(greedy, torch.ones_like(temps), temps).unsqueeze(-1)  # [B, V]
     if bool((top_ps < 1).any()):

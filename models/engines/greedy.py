@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from models.engines.types import GroupRequest, RolloutEngine, SamplingParams
-from models.prompt import Prompt
+from models.prompt import Prompt, encode_prompt
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -20,7 +20,7 @@ def greedy_completions(
 ) -> Iterator[tuple[Prompt, str, int]]:
     """(prompt, decoded completion, completion tokens) of each prompt's one greedy sample, in finish order."""
     params = SamplingParams(temperature=0.0, top_p=1.0, max_tokens=max_tokens, seed=0)
-    requests = [GroupRequest(p.prompt_id, tuple(tokenizer(p.text)["input_ids"]), 1, params) for p in prompts]
+    requests = [GroupRequest(p.prompt_id, encode_prompt(tokenizer, p)[1], 1, params) for p in prompts]
     by_id = {p.prompt_id: p for p in prompts}
     for sample in engine.generate(requests):
         yield (

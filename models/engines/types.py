@@ -51,6 +51,7 @@ class SamplingParams:
     max_tokens: int = 8
     seed: int = 0
     ignore_eos: bool = False  # benchmarks only: generate exactly max_tokens
+    stop: tuple[str, ...] = ()  # a sample also ends (finish_reason 'stop') on the token that completes one of these
 
     def as_dict(self) -> dict:
         return {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed, "max_tokens": self.max_tokens}

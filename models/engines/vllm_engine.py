@@ -59,6 +59,7 @@ from typing import Any, Literal
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
+from models.checkpoint import stop_token_ids
 from models.engines.types import (
     ABORT,
     EngineInfo,
@@ -179,6 +180,7 @@ class VLLMEngine(RolloutEngine):
         self.update_kv = update_kv
         self.policy_version = policy_version
         self.llm.llm_engine.set_weight_version(str(policy_version))
+        self.stop_token_ids = stop_token_ids(checkpoint_dir, self.llm.get_tokenizer())
         served = str(self.llm.model_config.dtype).removeprefix("torch.")
         self.info = EngineInfo(name="vllm", version=f"vllm-{vllm.__version__}", dtype=served)
         self._ids = itertools.count()
@@ -238,6 +240,7 @@ class VLLMEngine(RolloutEngine):
         paused = time.perf_counter()
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": checkpoint_dir})
         self.llm.llm_engine.set_weight_version(str(policy_version))
+        self.stop_token_ids = stop_token_ids(checkpoint_dir, self.llm.get_tokenizer())
         self.llm.reset_prefix_cache()
         self.policy_version = policy_version
         return time.perf_counter() - paused
@@ -334,8 +337,7 @@ class VLLMEngine(RolloutEngine):
             engine.add_request(request_id, prompt, self._sampling_params(group, index, len(done)))
             in_flight[request_id] = _InFlight(group, index, now, self.policy_version, prefix)
 
-    @staticmethod
-    def _sampling_params(group: GroupRequest, index: int, prefix_tokens: int = 0):
+    def _sampling_params(self, group: GroupRequest, index: int, prefix_tokens: int = 0):
         from vllm import SamplingParams  # vLLM only for engine 'vllm'
 
         s = group.sampling
@@ -346,8 +348,13 @@ class VLLMEngine(RolloutEngine):
             max_tokens=s.max_tokens - prefix_tokens,
             seed=resume_seed(sample_seed(s.seed, group.group_id, index), prefix_tokens),
             ignore_eos=s.ignore_eos,
+            # The embedded engine's stop tokens (the tokenizer's and the generation config's end-of-sequence ids),
+            # named rather than left to vLLM's own reading of the generation config, so both stop alike.
+            stop_token_ids=list(self.stop_token_ids),
+            stop=list(s.stop) or None,
+            include_stop_str_in_output=True,  # the completion ends with the token that completed it, as embedded
             logprobs=0,  # only the sampled token's logprob
-            detokenize=False,  # the rollout stage decodes with its own tokenizer
+            detokenize=bool(s.stop),  # stop strings match on text; else rollout decodes with its own tokenizer
         )
 
     def _sample(self, out, flight: _InFlight, reason: str | None = None, now: float | None = None) -> GeneratedSample:

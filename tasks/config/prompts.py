@@ -15,7 +15,7 @@ class PromptsConfig(Config):
 
     source: str = BUILTIN
     """'builtin:addition', 'builtin:longtail' (count down: long-tailed answer lengths), or a local/remote
-    path to a .parquet or .jsonl file with columns prompt, reference."""
+    path to a .parquet or .jsonl file with a prompt column and a reference column (prompt_column, reference_column)."""
     task: str = "addition"
     """Task name recorded on every row; also selects the verifier unless verify.verifier is set."""
     solved_weight: float = Field(0.2, gt=0.0, le=1.0)
@@ -24,6 +24,17 @@ class PromptsConfig(Config):
     record it as prompt_weight."""
     history_rounds: int = Field(16, ge=1)
     """Committed rounds of this campaign that the curriculum looks back over."""
+    prompt_column: str = "prompt"
+    """A file's column holding each prompt: a string, or chat turns (a list of {role, content}). Default 'prompt',
+    or 'messages' in a file without a 'prompt' column. A dotted path (a.b) reaches a nested field."""
+    reference_column: str = "reference"
+    """A file's column holding each reference answer (or tests) the verifier scores against; a dotted path (a.b)
+    reaches a nested field."""
+    chat_template: bool = False
+    """Render string prompts as a user turn through the base tokenizer's chat template, with the generation prompt.
+    Chat-turn prompts always are. Rows store the rendered text and its token ids."""
+    system_prompt: str | None = None
+    """With chat_template: a system turn put before each prompt's turns (unless they open with their own)."""
 
     @field_validator("source")
     @classmethod
@@ -41,5 +52,16 @@ class PromptsConfig(Config):
         if builtin and self.task != builtin.task:
             raise ValueError(
                 f"prompts.source {self.source!r} is the {builtin.task!r} task; set prompts.task to {builtin.task!r}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _chat_needs_a_file(self) -> PromptsConfig:
+        if self.system_prompt is not None and not self.chat_template:
+            raise ValueError("prompts.system_prompt is written by the chat template; set prompts.chat_template: true")
+        if self.chat_template and self.source in BUILTIN_SOURCES:
+            raise ValueError(
+                f"prompts.source {self.source!r} is plain text for a tokenizer without a chat template; set "
+                "prompts.chat_template: false, or prompts.source to a .jsonl or .parquet file"
             )
         return self

@@ -26,6 +26,9 @@ class RolloutConfig(Config):
     """Nucleus sampling mass."""
     max_tokens: int = Field(8, ge=1, le=32_768)
     """Most new tokens per sample; longer samples end with finish_reason 'length'."""
+    stop: list[str] = []
+    """Strings that also end a sample (finish_reason 'stop'), besides the model's end-of-sequence tokens (the
+    tokenizer's and its generation config's). The completion keeps the token that completed the string."""
     max_batch: int = Field(1024, ge=1)
     """Sequences decoded together (embedded) or in flight (vLLM: also its max_num_seqs), per replica."""
     replicas: int = Field(1, ge=1, le=1024)

@@ -86,8 +86,8 @@ def build_chat_policy(out_dir: str, prompts_path: str = GSM_MINI, steps: int = 6
             hidden_size=64,
             intermediate_size=128,
             num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
+            num_attention_heads=2,  # head_dim 32: vLLM's CPU attention has no kernel for 16
+            num_key_value_heads=1,
             max_position_embeddings=256,
             tie_word_embeddings=True,
             eos_token_id=tokenizer.eos_token_id,

@@ -349,9 +349,10 @@ class VLLMEngine(RolloutEngine):
             seed=resume_seed(sample_seed(s.seed, group.group_id, index), prefix_tokens),
             ignore_eos=s.ignore_eos,
             # The embedded engine's stop tokens (the tokenizer's and the generation config's end-of-sequence ids),
-            # named rather than left to vLLM's own reading of the generation config, so both stop alike.
-            stop_token_ids=list(self.stop_token_ids),
-            stop=list(s.stop) or None,
+            # named rather than left to vLLM's own reading of the generation config, so both stop alike. vLLM
+            # stops on stop_token_ids even with ignore_eos, so a sample that ignores EOS names none.
+            stop_token_ids=[] if s.ignore_eos else list(self.stop_token_ids),
+            stop=None if s.ignore_eos else list(s.stop) or None,
             include_stop_str_in_output=True,  # the completion ends with the token that completed it, as embedded
             logprobs=0,  # only the sampled token's logprob
             detokenize=bool(s.stop),  # stop strings match on text; else rollout decodes with its own tokenizer

@@ -262,7 +262,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a smaller run (under about 5 minutes here)")
     parser.add_argument("--rounds", type=int, help="collection rounds per mode (default 4, quick 2)")
     parser.add_argument("--campaign-rounds", type=int, help="campaign rounds per mode (default: the preset's, quick 4)")
-    parser.add_argument("--target", type=float, help="held-out accuracy to reach (default 0.85, quick 0.45)")
+    parser.add_argument("--target", type=float, help="held-out accuracy to reach (default 0.85, quick 0.55)")
     parser.add_argument("--no-campaign", action="store_true", help="collection only")
     parser.add_argument(
         "--campaign-modes",
@@ -372,13 +372,16 @@ def main() -> None:
 
     if not args.no_campaign:
         campaign_rounds = args.campaign_rounds or (4 if args.quick else campaign_config.rounds)
-        target = args.target if args.target is not None else (0.45 if args.quick else 0.85)
+        # the quick target sits above the long-tail base's own accuracy (48.8%), which every mode starts at
+        target = args.target if args.target is not None else (0.55 if args.quick else 0.85)
         print(f"\ncampaign: preset {args.preset}, {campaign_rounds} rounds per mode, target {target:.0%}", flush=True)
         figures["campaign"] = {}
         for mode in campaign_modes:
             figures["campaign"][mode] = c = campaign(
                 args.storage, campaign_config, mode, campaign_rounds, args.seed, target
             )
+            if c["base_accuracy"] >= target:
+                print(f"  warning: the base already scores {c['base_accuracy']:.1%}; set --target above it", flush=True)
             reached = (
                 "not reached"
                 if c["seconds_to_target"] is None

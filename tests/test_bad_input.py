@@ -56,7 +56,11 @@ def prompts_config(source: str, **round_fields) -> dict:
             '{"prompt": "1+1=", "reference": "2"}\n{"prompt": "2+2="\n',
             ["broken.jsonl:2: not valid JSON", "each line must be"],
         ),
-        ("noref.jsonl", '{"prompt": "1+1="}\n', ["record 1 lacks a string 'prompt' and a 'reference'"]),
+        (
+            "noref.jsonl",
+            '{"prompt": "1+1="}\n',
+            ["record 1 has no 'reference' (the record holds 'prompt')", "set prompts.reference_column"],
+        ),
         (
             "blank.jsonl",
             '{"prompt": "  ", "reference": "2"}\n',

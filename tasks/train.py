@@ -171,9 +171,8 @@ def train_here(
     """A round's training in this process, on ``device``; the new checkpoint is written into ``out``.
     Returns the stats, and on a GPU the new weights on it."""
     deterministic_kernels()
-    model, tokenizer = load_policy(parent, dtype="float32")
-    model.to(device)
-    ref_model = load_policy(reference, dtype="float32")[0].to(device) if reference else None
+    model, tokenizer = load_policy(parent, dtype="float32", device=device)
+    ref_model = load_policy(reference, dtype="float32", device=device)[0] if reference else None
     optimizer, stats = train_policy(
         model,
         tokenizer.pad_token_id,
@@ -188,9 +187,9 @@ def train_here(
         device=device,
         precision=precision,
     )
+    save_policy(model, tokenizer, out)  # from CPU tensors, wherever the model is: it loads on any device
     # the new weights where they were trained, for a GPU serving engine to take from memory (publish)
     weights = {k: v.detach() for k, v in model.state_dict().items()} if device.type == "cuda" else None
-    save_policy(model.cpu(), tokenizer, out)  # from CPU tensors: the checkpoint loads on any device
     save_optimizer(on_cpu(optimizer.state_dict()), out)
     return stats, weights
 

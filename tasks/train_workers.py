@@ -142,8 +142,8 @@ class TrainWorker:
         rank, device = self.collective.rank, self.device
         with tempfile.TemporaryDirectory(prefix="rlrounds-worker-") as tmp:
             parent_dir = write_files(os.path.join(tmp, "parent"), parent)
-            model, tokenizer = load_policy(parent_dir)
-            shard_policy(model.to(device))
+            model, tokenizer = load_policy(parent_dir, device=device)
+            shard_policy(model)
             optimizer = torch.optim.AdamW(model.parameters(), lr=job.config.learning_rate)
             if os.path.isdir(os.path.join(parent_dir, OPTIMIZER_DIR)):
                 load_optimizer_shards(model, optimizer, os.path.join(parent_dir, OPTIMIZER_DIR))
@@ -153,7 +153,7 @@ class TrainWorker:
             schedule(optimizer, job.config)
             ref_model = None
             if reference is not None:  # the KL anchor, whole on every rank (it takes no gradient)
-                ref_model = load_policy(write_files(os.path.join(tmp, "reference"), reference))[0].to(device)
+                ref_model = load_policy(write_files(os.path.join(tmp, "reference"), reference), device=device)[0]
             optimizer, stats = train_policy(
                 model,
                 tokenizer.pad_token_id,

@@ -201,8 +201,8 @@ def train_policy(
     # than the engine sampled from, so the ratio would not be 1 at step 0, the mismatch figure would
     # measure dropout noise, and the loss would depend on the RNG rather than on the stored rows.
     model.eval()
-    schedule_ = [index for _ in range(config.epochs) for index in range(len(batches))]
-    for step, index in enumerate(schedule_):
+    passes = [index for _ in range(config.epochs) for index in range(len(batches))]
+    for step, index in enumerate(passes):
         batch, tokens = batches[index], packed[index]
         width = tokens.completion_ids.shape[1]
         mask = tokens.completion_mask.float()  # [B, C]
@@ -259,12 +259,12 @@ def train_policy(
             history[key].append(value)
         # Staleness in optimizer steps: the weights being trained are `step` steps past the round's
         # starting policy, plus a whole round per policy version the token lags behind it.
-        lag = step + (current_version - versions[on]) * len(schedule_)  # [N] over the minibatch's tokens
+        lag = step + (current_version - versions[on]) * len(passes)  # [N] over the minibatch's tokens
         lag_sum, lag_count = lag_sum + float(lag.sum()), lag_count + lag.numel()
         lag_max = max(lag_max, float(lag.max()) if lag.numel() else 0.0)
         if progress and collective.rank == 0 and (step + 1) % 8 == 0:
-            progress(f"train: step {step + 1}/{len(schedule_)} loss {loss:.4f}")
-    trained = set(schedule_[: len(history["loss"])])
+            progress(f"train: step {step + 1}/{len(passes)} loss {loss:.4f}")
+    trained = set(passes[: len(history["loss"])])
     samples = sum(len(batches[i].advantages) for i in trained if not batches[i].idle)
     spanning = [len(set(v)) > 1 for b in batches if not b.idle for v in b.policy_versions]
     lag_sum, lag_count, samples, spanned, shares = collective.sum(

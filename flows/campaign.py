@@ -200,6 +200,7 @@ def run_rounds(
                 "model_version": result.model_version,
                 "accuracy": result.evaluation.accuracy,
                 "trajectory_version": result.trajectory_version,
+                "checkpoint": result.checkpoint,
                 "seconds": s["time/round_s"],
                 "reward": s.get("verify/mean_reward"),
                 "kept_groups": s.get("filter/kept_groups"),

@@ -109,7 +109,7 @@ class RoundConfig(Config):
         return self.publish.resolved(self.prompts.task, self.evaluate.source)
 
     def config_hash(self) -> str:
-        canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        canonical = json.dumps(self.inputs_dump(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
     @model_validator(mode="after")
@@ -188,8 +188,9 @@ class CampaignConfig(Config):
         return v
 
 
-PLACEMENT_FIELDS = {"rollout": ("gpu_memory_utilization", "tensor_parallel_size")}
-"""Fields that say how much hardware a stage takes, not what it computes: never part of a campaign's identity."""
+PLACEMENT_FIELDS = {"rollout": ("gpu_memory_utilization", "tensor_parallel_size", "speculative")}
+"""Fields that say how much hardware a stage takes, or how fast it computes, not what it computes: never part of a
+campaign's identity (speculative rollout emits plain sampling's tokens: models/engines/speculative.py)."""
 
 IDENTITY_SINCE = {
     "train": {"workers": 1, "precision": "auto"},

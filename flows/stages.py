@@ -27,6 +27,7 @@ from pydantic import BaseModel
 from flows.progress import stage_logger
 from storage.campaigns import read_stage, write_stage
 from storage.paths import StorageRoot
+from tasks.config.base import Config
 from tasks.context import RoundContext
 from tasks.faults import crash_point
 from tasks.results import NotInput, StageResult
@@ -40,6 +41,8 @@ def stage_function(task: Callable[..., Any]) -> Callable[..., Any]:
 def _canonical(value: Any) -> Any:
     if isinstance(value, RoundContext):
         return value.inputs()
+    if isinstance(value, Config):
+        return value.inputs_dump()  # without the fields that change only how fast it computes
     if isinstance(value, BaseModel):
         return value.model_dump(mode="json")
     if value is None or isinstance(value, (str, int, float, bool)):

@@ -84,6 +84,21 @@ def _length_bias(s: dict) -> list[tuple[str, str]]:
     return rows + [("mean kept length / generated (1: no bias)", _fmt(s, "filter/length_bias", ".3f"))]
 
 
+def _speculation(s: dict) -> list[tuple[str, str]]:
+    rows = [("decode steps", _fmt(s, "rollout/decode_steps", ".0f"))]
+    if not s.get("rollout/speculative"):
+        off = "on in the config, but the engine cannot (the round's log says why)"
+        return rows + [("speculative rollout", off if s.get("rollout/speculative_unavailable") else "off")]
+    return rows + [
+        ("draft acceptance", _fmt(s, "rollout/spec_acceptance", ".1%")),
+        ("tokens per verification step (a sample)", _fmt(s, "rollout/spec_tokens_per_verify_step", ".2f")),
+        (
+            "drafting / indexing seconds",
+            f"{_fmt(s, 'rollout/spec_draft_s', '.3f')} / {_fmt(s, 'rollout/spec_index_s', '.3f', ' s')}",
+        ),
+    ]
+
+
 def report_sections(s: dict) -> list[tuple[str, list[tuple[str, str]]]]:
     """(question, [(measure, value), ...]) in the order the report answers them: one short figure per
     row, so the table fits a page however many figures a question has."""
@@ -99,6 +114,7 @@ def report_sections(s: dict) -> list[tuple[str, list[tuple[str, str]]]]:
                 ),
             ],
         ),
+        ("speculative rollout", _speculation(s)),
         (
             "long tail",
             [

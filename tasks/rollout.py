@@ -50,6 +50,7 @@ from tasks.prompts import PromptError, prompt_stream
 from tasks.ready_pool import PARTIAL, Group, Harvest, PoolLimits, ReadyPool
 from tasks.results import NotInput, Staged
 from tasks.rows import Drawn, groups_from_carry, sample_row
+from tasks.speculation import speculation_figures, start_speculation
 from tasks.verifiers.outcome import Outcome
 from tasks.verifiers.pool import VerifierPool, check_infra_failure_rate
 from tasks.verifiers.registry import rollout_verifier, rollout_verifier_version, scores_inline
@@ -377,24 +378,35 @@ def run_rollout(
         update_kv=rollout.update_kv,
         device=device,
     )
-    result = generate_and_verify(
-        engine,
-        tokenizer,
-        prompts,
-        rollout,
-        verify,
-        filtering,
-        target_groups,
-        ctx.stage_seed("rollout"),
-        ctx.run_id,
-        ctx.round,
-        progress,
-        context_length(local),
-        carried,
-        ctx.parent_policy_version,
-        solved,
-        overlap.next_policy if overlap is not None else None,
-    )
+    index, why_not = start_speculation(engine, rollout.speculative, root, ctx.run_id, ctx.round)
+    if why_not and progress:
+        progress(f"rollout: speculative rollout is off: {why_not}")
+    steps_before = engine.decode_steps
+    used_before = engine.speculation_stats.copy() if index is not None else None
+    try:
+        result = generate_and_verify(
+            engine,
+            tokenizer,
+            prompts,
+            rollout,
+            verify,
+            filtering,
+            target_groups,
+            ctx.stage_seed("rollout"),
+            ctx.run_id,
+            ctx.round,
+            progress,
+            context_length(local),
+            carried,
+            ctx.parent_policy_version,
+            solved,
+            overlap.next_policy if overlap is not None else None,
+        )
+    finally:
+        if index is not None:
+            engine.speculate(None)  # evaluation and publish share the engine: they sample plainly
+    used = engine.speculation_stats.minus(used_before) if used_before is not None else None
+    result.stats.update(speculation_figures(index, used, engine.decode_steps - steps_before, why_not))
     check_infra_failure_rate(result.stats, verify.max_infra_failure_rate, ctx.round)  # before anything is staged
     staging, carryover = stage_rollout(root, ctx.run_id, ctx.round, result.rows, result.carry_rows)
     return Staged(staging=staging, carryover=carryover, stats=result.stats)

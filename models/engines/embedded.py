@@ -22,7 +22,9 @@ from typing import Literal
 import torch
 
 from models.checkpoint import assign_weights, load_state_dict
+from models.engines import speculative
 from models.engines.kv_cache import PaddedCache, SlotCache, distinct_inputs, slot_cache_applies
+from models.engines.speculative import Follow, Speculation, SpeculationStats, follow_on
 from models.engines.types import (
     ABORT,
     EngineInfo,
@@ -47,6 +49,8 @@ class _Sequence:
     versions: list[int] = field(default_factory=list)
     segment_at: float = 0.0  # when this segment's prefill began
     gen_s: float = 0.0  # generation seconds of earlier segments
+    follow: Follow | None = None  # speculation: the reference this sample drafts from
+    draft_len: int = 0  # speculation: the most tokens its next draft takes (0: k)
 
     @classmethod
     def of(cls, group: GroupRequest, sample_index: int) -> _Sequence:
@@ -112,6 +116,8 @@ class EmbeddedEngine(RolloutEngine):
         self.info = EngineInfo(name="embedded", version=f"torch-{torch.__version__}", dtype=dtype)
         self._kv_setting = kv_cache
         self.decode_steps = 0
+        self._speculation: Speculation | None = None
+        self.speculation_stats = SpeculationStats()
         self.kv_cache  # noqa: B018 -- fails now, not at the first generate, if 'slots' cannot serve the model
 
     @property
@@ -129,6 +135,15 @@ class EmbeddedEngine(RolloutEngine):
     def configure(self, max_batch: int, update_kv: UpdateKV) -> None:
         self.max_batch = max_batch
         self.update_kv = update_kv
+
+    def speculate(self, speculation: Speculation | None) -> str | None:
+        """Draft from ``speculation.index`` in the next ``generate`` calls (models/engines/speculative.py), or
+        stop (None). Returns why it cannot (the padded cache has no verification step), else None."""
+        if speculation is not None and self.kv_cache != "slots":
+            self._speculation = None
+            return "the embedded engine verifies drafts on its slot cache, which does not serve this model"
+        self._speculation = speculation
+        return None
 
     def close(self) -> None:
         pass  # nothing outside this process: the model and its caches go with the object
@@ -170,8 +185,10 @@ class EmbeddedEngine(RolloutEngine):
 
         finished = 0
         cache = self._new_cache()
+        speculation = self._speculation if isinstance(cache, SlotCache) else None
         seqs: list[_Sequence] = []  # the live rows, in the cache's row order
         logits = last = None  # [A, V] next-token logits; [A] the tokens sampled last step
+        drafts: list[list[int]] = []  # per live row: the tokens drafted to verify with its last one
         with torch.inference_mode():
             while True:
                 if should_stop is not None and should_stop():
@@ -184,39 +201,112 @@ class EmbeddedEngine(RolloutEngine):
                     directory, version = update.take()
                     recomputed = self._swap(cache, seqs, directory, version, update)
                     update = None
+                emitted: list[list[tuple[int, float]]] = []  # per live row: (token, logprob) in order
                 if recomputed is not None:
-                    logits = recomputed
+                    emitted = _pairs(*sample_tokens(recomputed, seqs, self.stop_token_ids))
+                elif seqs and any(drafts):
+                    emitted = self._verify(cache, seqs, last, drafts)
+                    self.decode_steps += 1
                 elif seqs:
                     logits = cache.step(last)  # feed the tokens sampled last step; fresh logits for all rows
                     self.decode_steps += 1
+                    emitted = _pairs(*sample_tokens(logits, seqs, self.stop_token_ids))
                 if len(seqs) <= self.max_batch // 2:  # refill once half the rows are free: one prefill a wave
                     admitted = pull(self.max_batch - len(seqs))
                     if admitted and seqs and (order := cache.sort_rows()) is not None:
-                        seqs, logits = [seqs[i] for i in order], logits[order]  # longest first again
+                        seqs, emitted = [seqs[i] for i in order], [emitted[i] for i in order]  # longest first again
                     if admitted:
                         joined = self._admit(cache, admitted)
-                        logits = torch.cat([logits, joined]) if seqs else joined
+                        emitted += _pairs(*sample_tokens(joined, admitted, self.stop_token_ids))
                         seqs = seqs + admitted
                 if not seqs:
                     return
-                tokens, logprobs = sample_tokens(logits, seqs, self.stop_token_ids)
                 now = time.time()
                 keep: list[int] = []
-                for row, (s, token, logprob) in enumerate(zip(seqs, tokens.tolist(), logprobs.tolist())):
-                    s.tokens.append(token)
-                    s.logprobs.append(logprob)
-                    s.versions.append(self.policy_version)
-                    stop = not s.group.sampling.ignore_eos and (token in self.stop_token_ids or self._stop_string(s))
-                    if stop or len(s.tokens) >= s.group.sampling.max_tokens:
-                        finished += 1
-                        yield s.sample("stop" if stop else "length", now)
-                    else:
+                for row, s in enumerate(seqs):
+                    reason = None
+                    new = emitted[row]
+                    for token, logprob in new:
+                        s.tokens.append(token)
+                        s.logprobs.append(logprob)
+                        s.versions.append(self.policy_version)
+                        stop = not s.group.sampling.ignore_eos and (
+                            token in self.stop_token_ids or self._stop_string(s)
+                        )
+                        if stop or len(s.tokens) >= s.group.sampling.max_tokens:
+                            reason = "stop" if stop else "length"
+                            break
+                    if reason is None:
                         keep.append(row)
+                        if speculation is not None:
+                            s.follow = follow_on(s.follow, [token for token, _ in new])
+                        continue
+                    finished += 1
+                    if speculation is not None:
+                        # its siblings draft from it; by context only the history (indexing every finished
+                        # sample's contexts cost more of the round than it saved: docs/engines.md)
+                        speculation.index.add(s.group.prompt_token_ids, s.tokens, s.logprobs, contexts=False)
+                    yield s.sample(reason, now)
                 if len(keep) < len(seqs):
                     order = cache.retire(keep)
                     seqs = [seqs[i] for i in order]
-                    tokens = tokens[order]
-                last = tokens
+                last = torch.tensor([s.tokens[-1] for s in seqs], device=self.device)
+                drafts = self._drafts(seqs, speculation) if speculation is not None else []
+
+    def _drafts(self, seqs: list[_Sequence], speculation: Speculation) -> list[list[int]]:
+        """Each live row's draft for the next step: up to ``k`` tokens of its reference, fewer where the sample
+        has less room, none once the step's ``step_tokens`` are spent (rows first, in row order)."""
+        began = time.perf_counter()
+        room = speculation.step_tokens - len(seqs)
+        drafts: list[list[int]] = []
+        for s in seqs:
+            if room <= 0:
+                drafts.append([])
+                continue
+            if s.follow is None:
+                s.follow = speculation.index.find(s.group.prompt_token_ids, s.tokens)
+            take = min(
+                speculation.k, s.draft_len or speculation.k, room, s.group.sampling.max_tokens - len(s.tokens) - 1
+            )
+            draft = s.follow.draft(take, speculation.min_probability) if s.follow and take > 0 else []
+            room -= len(draft)
+            drafts.append(draft)
+        self.speculation_stats.draft_s += time.perf_counter() - began
+        return drafts
+
+    def _verify(self, cache: SlotCache, seqs: list[_Sequence], last: torch.Tensor, drafts: list[list[int]]):
+        """One decode step feeding each row its last token and its draft; per row the tokens it emits: the
+        drafts that are plain sampling's own draws, then plain sampling's draw at the first that is not (or
+        after the last). Rolls the cache back past the rejected drafts (models/engines/speculative.py)."""
+        counts = [1 + len(d) for d in drafts]
+        rows = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(counts)).to(self.device)
+        steps = torch.tensor([j for c in counts for j in range(c)], device=self.device)
+        packed = []
+        for row, d in enumerate(drafts):
+            packed.append(int(last[row]))
+            packed.extend(d)
+        logits = cache.verify(torch.tensor(packed, device=self.device), rows, steps)
+        ahead = [s for s, c in zip(seqs, counts) for _ in range(c)]
+        tokens, logprobs = sample_tokens(logits, ahead, self.stop_token_ids, steps.tolist())
+        tokens, logprobs = tokens.tolist(), logprobs.tolist()
+        emitted: list[list[tuple[int, float]]] = []
+        stats = self.speculation_stats
+        at = 0
+        for s, d in zip(seqs, drafts):
+            draws = tokens[at : at + len(d) + 1]
+            out = list(zip(speculative.accepted_tokens(draws, d), logprobs[at : at + len(d) + 1]))
+            if d:  # the next draft: as long as what was accepted and one more, twice as long after a full acceptance
+                s.draft_len = len(out) if len(out) <= len(d) else 2 * len(d)
+            if d:
+                stats.drafting_rows += 1
+                stats.drafted += len(d)
+                stats.accepted += len(out) - 1
+                stats.emitted += len(out)
+            emitted.append(out)
+            at += len(d) + 1
+        stats.verify_steps += 1
+        cache.advance(torch.tensor([len(out) for out in emitted], device=self.device))
+        return emitted
 
     def _stop_string(self, s: _Sequence) -> bool:
         """Whether the token just sampled completed one of the request's stop strings. Only the tail is decoded:
@@ -261,9 +351,14 @@ class EmbeddedEngine(RolloutEngine):
 
 
 def sample_tokens(
-    logits: torch.Tensor, seqs: list[_Sequence], stop_token_ids: int | Iterable[int]
+    logits: torch.Tensor,
+    seqs: list[_Sequence],
+    stop_token_ids: int | Iterable[int],
+    ahead: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row; return it and its logprob under the distribution it was drawn from.
+    ``ahead``: per row, how many tokens past the sample's generated ones the row's position is (verification:
+    the drafts before it); none: 0.
 
     logits: [B, V] float32. Each row uses its own temperature and top-p. Gumbel-max on the processed
     logits is an exact sample of softmax(processed logits); its noise is a hash of (sample seed, token
@@ -284,11 +379,19 @@ def sample_tokens(
         scaled = _top_p_filter(scaled, top_ps)
     logp = torch.log_softmax(scaled, dim=-1)  # [B, V]
     seeds = torch.tensor([s.seed for s in seqs], dtype=torch.int64, device=device)
-    positions = torch.tensor([len(s.tokens) for s in seqs], dtype=torch.int64, device=device)
+    positions = [len(s.tokens) for s in seqs]
+    if ahead is not None:
+        positions = [p + a for p, a in zip(positions, ahead)]
+    positions = torch.tensor(positions, dtype=torch.int64, device=device)
     noise = counter_uniform(seeds, positions, logits.shape[-1])  # [B, V]
     gumbel = -torch.log(-torch.log(noise))
     sampled = torch.where(greedy, scaled.argmax(-1), (logp + gumbel).argmax(-1))  # [B]
     return sampled, logp.gather(-1, sampled.unsqueeze(-1)).squeeze(-1)
+
+
+def _pairs(tokens: torch.Tensor, logprobs: torch.Tensor) -> list[list[tuple[int, float]]]:
+    """One (token, logprob) a row, as the emission loop takes them."""
+    return [[pair] for pair in zip(tokens.tolist(), logprobs.tolist())]
 
 
 def _signed(c: int) -> int:

@@ -195,6 +195,64 @@ class SlotCache:
         self.lengths[:live] += 1
         return self._logits(hidden[:, 0])
 
+    def verify(self, tokens: torch.Tensor, rows: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+        """Feed several tokens to some rows in one pass: packed ``tokens`` [N], token i going to live row
+        ``rows[i]`` at ``steps[i]`` past that row's held tokens (each row's steps 0, 1, ...: its last sampled
+        token, then its drafts; every live row feeds at least step 0). Logits [N, V], token i's next-token
+        distribution given its row's tokens up to and including it. The rows' lengths do not move:
+        ``advance`` keeps the tokens that were accepted, and the keys of the others are overwritten later
+        (a query never sees keys past its own position).
+
+        Projections and MLP run on the N real tokens only; attention runs on each row's queries padded to the
+        longest row's, over its own keys (models/engines/speculative.py)."""
+        live = self.live
+        fed = int(steps.max()) + 1
+        base = self.lengths[:live]
+        counts = torch.bincount(rows, minlength=live)  # tokens each row feeds
+        self._reserve(int((base + counts).max()))
+        positions = base[rows] + steps  # [N]
+        at = rows * self.width + positions
+        padded_at = rows * fed + steps  # each token's place in [live, fed]
+        runs = attention_runs(base + counts - 1)  # each row attends up to its own last token
+        query_at = base.unsqueeze(-1) + torch.arange(fed, device=self.device)  # [live, fed] each query's position
+        masks = [torch.arange(keys, device=self.device) > query_at[a:b].unsqueeze(-1) for a, b, keys in runs]
+        hidden = self.model.model.embed_tokens(tokens).unsqueeze(0)  # [1, N, hidden]
+        cos, sin = self.cos[positions].view(1, -1, 1, self.head_dim), self.sin[positions].view(1, -1, 1, self.head_dim)
+        for layer, keys, values in zip(self.model.model.layers, self.keys, self.values):
+            q, k, v = self._project(layer, hidden, cos, sin)  # [1, N, heads, head_dim]
+            keys.view(-1, self.kv_heads, self.head_dim).index_copy_(0, at, k[0])
+            values.view(-1, self.kv_heads, self.head_dim).index_copy_(0, at, v[0])
+            queries = q.new_zeros((live * fed, self.heads, self.head_dim)).index_copy_(0, padded_at, q[0])
+            queries = queries.view(live, fed, self.heads, self.head_dim)
+            parts = [
+                self._attend_many(queries[a:b], keys[a:b, :span], values[a:b, :span], mask)
+                for (a, b, span), mask in zip(runs, masks)
+            ]
+            out = parts[0] if len(parts) == 1 else torch.cat(parts)
+            out = out.reshape(live * fed, self.heads, self.head_dim).index_select(0, padded_at)
+            hidden = self._finish_layer(layer, hidden, out.unsqueeze(0))
+        return self._logits(hidden[0])
+
+    def advance(self, kept: torch.Tensor) -> None:
+        """After ``verify``: each live row keeps ``kept[row]`` of the tokens it fed (its last token and the
+        drafts accepted); the rest are rolled back."""
+        self.lengths[: self.live] += kept
+
+    def _attend_many(self, q, keys, values, hidden_mask) -> torch.Tensor:
+        """Several queries per row over its own keys: q [A, T, heads, Dh], keys/values [A, span, kv_heads, Dh],
+        hidden_mask [A, T, span]; in float32 below it, as ``_attend_one``."""
+        live, fed = q.shape[:2]
+        span = keys.shape[1]
+        group = self.heads // self.kv_heads
+        dtype = q.dtype
+        if dtype != torch.float32:
+            q, keys, values = q.float(), keys.float(), values.float()
+        q = q.view(live, fed, self.kv_heads, group, self.head_dim)
+        scores = torch.einsum("atkgd,askd->atskg", q, keys) * self.scale  # [A, T, span, kv_heads, group]
+        weights = scores.masked_fill(hidden_mask.view(live, fed, span, 1, 1), float("-inf")).softmax(2)
+        out = torch.einsum("atskg,askd->atkgd", weights, values)  # [A, T, kv_heads, group, Dh]
+        return out.reshape(live, fed, self.heads, self.head_dim).to(dtype)
+
     def _attend_one(self, q, keys, values, hidden_mask) -> torch.Tensor:
         """One query per row over its own keys: q [A, 1, heads, Dh], keys/values [A, span, kv_heads, Dh].
 

@@ -8,7 +8,7 @@ text written where a field is declared reaches people three ways: the Prefect UI
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -18,6 +18,23 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 
 class Config(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    NOT_INPUTS: ClassVar[frozenset[str]] = frozenset()
+    """Fields that change how fast a stage computes, never what: left out of a stage's resume key and the round's
+    config hash, so a resumed campaign may change them (``rollout.speculative``: its rows are plain sampling's)."""
+
+    def inputs_dump(self) -> dict:
+        """The config as a stage input: ``model_dump(mode='json')`` without the ``NOT_INPUTS`` at any depth."""
+        return self.model_dump(mode="json", exclude=_not_inputs(self))
+
+
+def _not_inputs(model: BaseModel) -> dict:
+    exclude: dict = {name: True for name in getattr(model, "NOT_INPUTS", ())}
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        if name not in exclude and isinstance(value, BaseModel) and (inner := _not_inputs(value)):
+            exclude[name] = inner
+    return exclude
 
 
 def field_help(model: type[BaseModel], loc: tuple[Any, ...]) -> str | None:

@@ -7,11 +7,40 @@ from typing import Literal
 
 from pydantic import Field
 
+from models.engines.speculative import MAX_MATCH
 from tasks.config.base import Config, Dtype
+
+
+class SpeculativeConfig(Config):
+    """Speculative rollout: drafts from earlier completions, verified so that every sample is exactly plain
+    sampling's (docs/engines.md, Speculative rollout). The embedded engine on its slot cache only."""
+
+    enabled: bool = False
+    """Draft and verify. Rows are the ones plain sampling gives with the same seeds; only the speed changes."""
+    k: int = Field(4, ge=1, le=64)
+    """Most drafted tokens a sample feeds per decode step (a sample's draft shrinks to what was accepted after a
+    rejection, and doubles after a full acceptance, up to this)."""
+    history_rounds: int = Field(2, ge=0, le=64)
+    """Committed rounds of this campaign whose completions are drafted from, besides this round's finished
+    samples (0: this round's only). Read from the trajectory store, so a re-run or a replay drafts from the same
+    history."""
+    match_tokens: int = Field(4, ge=1, le=MAX_MATCH)
+    """Fewest tokens (prompt included) a sample's last tokens must share with a history completion to draft from it,
+    when no completion of its own prompt starts with what it wrote. Longer matches (8, 6, ...) are tried first."""
+    step_tokens: int = Field(4096, ge=1)
+    """Most tokens a decode step feeds (one a sample, plus drafts; rows first): bounds a verification step's memory
+    and compute. Near max_batch, drafting happens only as the batch empties (the long tail)."""
+    min_probability: float = Field(0.0, ge=0.0, le=1.0)
+    """Cut a draft where the probability its reference's own policy gave the drafted tokens (their product, from
+    the stored behaviour logprobs) falls below this. 0: draft up to k tokens whenever there are."""
+    max_index_tokens: int = Field(2_000_000, ge=1)
+    """Most completion tokens the draft index holds (history newest first, then this round's samples)."""
 
 
 class RolloutConfig(Config):
     """How samples are generated."""
+
+    NOT_INPUTS = frozenset({"speculative"})
 
     engine: Literal["embedded", "vllm"] = "embedded"
     """Rollout engine: 'embedded' (torch in this process, any Hugging Face causal LM) or 'vllm'
@@ -56,6 +85,8 @@ class RolloutConfig(Config):
     """round.mode overlap: what sequences in flight do when new weights arrive. 'recompute': prefill their prompt
     and prefix again under the new weights, so each token's behaviour logprob is its version's. 'keep': keep the old
     KV cache (no recompute, mixed logprobs)."""
+    speculative: SpeculativeConfig = SpeculativeConfig()
+    """Speculative rollout from the trajectory store's earlier completions (lossless)."""
     verdict_wait_s: float = Field(0.1, ge=0.0)
     """How long the ready pool waits for verdicts at a decision (is the batch full?) before treating the environment
     as slow for the rest of the round. Verdicts within it keep the stop point and rows reproducible; 0: never wait."""

@@ -1,7 +1,7 @@
 """Speculative rollout against plain sampling, from trained checkpoints, same prompts and seeds.
 
     python benchmarks/speculative.py [--storage DIR] [--presets long-tail,default] [--rounds 12]
-                                     [--campaign-rounds N] [--quick] [--json OUT]
+                                     [--campaign-rounds N] [--config FILE] [--quick] [--json OUT]
 
 Per preset (the long-tail one and the default one):
 
@@ -53,7 +53,7 @@ def campaign(storage: str, config, run_id: str, rounds: int, speculative: bool) 
         }
     )
     exists = read_campaign(StorageRoot.of(storage), run_id) is not None
-    return rl_campaign(config=config, storage=storage, resume=exists)
+    return {**rl_campaign(config=config, storage=storage, resume=exists), "reused": exists}
 
 
 def collection(storage: str, config, run: dict, speculative: bool) -> dict:
@@ -106,6 +106,7 @@ def collection(storage: str, config, run: dict, speculative: bool) -> dict:
         "tokens": s["rollout/tokens"],
         "acceptance": figures.get("rollout/spec_acceptance", 0.0),
         "tokens_per_verify_step": figures.get("rollout/spec_tokens_per_verify_step", 1.0),
+        "fed_per_emitted": figures.get("rollout/spec_fed_per_emitted", 1.0),
         "draft_s": figures.get("rollout/spec_draft_s", 0.0),
         "index_s": figures.get("rollout/spec_index_s", 0.0),
         "history_s": history_s,
@@ -161,6 +162,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--storage", default="./rlrounds-bench", help="storage root (campaigns are kept there)")
     parser.add_argument("--presets", default=",".join(PRESETS))
+    parser.add_argument(
+        "--config",
+        help="a campaign config file laid over each preset, as with 'rlrounds run --config' (for example other "
+        "round.rollout.speculative settings; 'enabled' is set by the benchmark)",
+    )
     parser.add_argument("--rounds", type=int, default=12, help="campaign rounds before measuring (at least 10)")
     parser.add_argument("--repeats", type=int, default=2, help="collection rounds per mode, alternating")
     parser.add_argument(
@@ -187,7 +193,7 @@ def main() -> None:
     repeats = 1 if args.quick else args.repeats
     figures: dict = {"rounds": args.rounds, "presets": {}}
     for preset in presets:
-        config = load_campaign_config(None, None if preset == "default" else preset)
+        config = load_campaign_config(args.config, None if preset == "default" else preset)
         config = config.model_copy(update={"round": config.round.model_copy(update={"seed": args.seed})})
         run_id = f"spec-bench-{preset}-s{args.seed}"
         print(f"{preset}: campaign {run_id}, {args.rounds} rounds, speculation off", flush=True)
@@ -200,7 +206,8 @@ def main() -> None:
                 print(
                     f"  collection {mode:11s}: {r['time_to_trainable_batch_s']:6.2f} s to a trainable batch, "
                     f"{r['decode_steps']:5d} decode steps, acceptance {r['acceptance']:.1%}, "
-                    f"{r['tokens_per_verify_step']:.2f} tokens per verification step, drafting {r['draft_s']:.2f} s, "
+                    f"{r['tokens_per_verify_step']:.2f} tokens per verification step "
+                    f"({r['fed_per_emitted']:.2f} fed per token emitted), drafting {r['draft_s']:.2f} s, "
                     f"indexing {r['index_s']:.2f} s ({r['indexed_tokens']} tokens)",
                     flush=True,
                 )
@@ -247,13 +254,18 @@ def main() -> None:
             print(
                 f"  held-out accuracy per round, off / on: {race['accuracy_pairs']}; "
                 f"first >= {args.target:.0%} at round {race['off_round_to_target']} / {race['on_round_to_target']} "
-                f"(goal: on no later); seconds of rounds {race['off_seconds']:.0f} / {race['on_seconds']:.0f}",
+                f"(goal: on no later); seconds of rounds {_seconds(race['off_seconds'])} / "
+                f"{_seconds(race['on_seconds'])}",
                 flush=True,
             )
         figures["presets"][preset] = entry
     if args.json:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=2, default=str)
+
+
+def _seconds(value: float | None) -> str:
+    return "n/a (campaign reused)" if value is None else f"{value:.0f}"
 
 
 def learning(off: dict, on: dict, target: float) -> dict:
@@ -268,8 +280,9 @@ def learning(off: dict, on: dict, target: float) -> dict:
         "max_accuracy_difference": max((abs(a - b) for a, b in pairs), default=0.0),
         "off_round_to_target": first(off["rounds"]),
         "on_round_to_target": first(on["rounds"]),
-        "off_seconds": sum(e["seconds"] for e in off["rounds"][1:rounds]),
-        "on_seconds": sum(e["seconds"] for e in on["rounds"][1:rounds]),
+        # a campaign reused from an earlier run resumes past every round: its rounds' seconds are not measured again
+        "off_seconds": None if off["reused"] else sum(e["seconds"] for e in off["rounds"][1:rounds]),
+        "on_seconds": None if on["reused"] else sum(e["seconds"] for e in on["rounds"][1:rounds]),
     }
 
 

@@ -68,6 +68,8 @@ def speculation_figures(
         **figures,
         "rollout/spec_acceptance": used.accepted / max(used.drafted, 1),
         "rollout/spec_tokens_per_verify_step": used.emitted / max(used.drafting_rows, 1),
+        # what verification costs where a step costs what its tokens do: tokens fed per token emitted
+        "rollout/spec_fed_per_emitted": (used.drafting_rows + used.drafted) / max(used.emitted, 1),
         "rollout/spec_verify_steps": used.verify_steps,
         "rollout/spec_drafted_tokens": used.drafted,
         "rollout/spec_accepted_tokens": used.accepted,

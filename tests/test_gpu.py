@@ -183,6 +183,30 @@ def test_seeded_samples_on_cuda_are_reproducible(on_cuda, kv):
     assert sorted(runs[0]) == sorted(runs[1])
 
 
+def test_speculative_samples_on_cuda_are_the_plain_ones(on_cuda):
+    """Verification on the GPU (models/engines/speculative.py): the samples plain sampling gives, drafts accepted."""
+    from models.engines.speculative import DraftIndex, Speculation
+
+    model, tok = on_cuda
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=4)
+    plain = {
+        (s.group_id, s.sample_index): s
+        for s in EmbeddedEngine(model, tok.eos_token_id, tok.pad_token_id, max_batch=8).generate(
+            _requests(tok, 4, params)
+        )
+    }
+    index = DraftIndex(match=1)
+    for s in plain.values():
+        index.add(s.prompt_token_ids, s.token_ids, s.logprobs)
+    engine = EmbeddedEngine(model, tok.eos_token_id, tok.pad_token_id, max_batch=8)
+    assert engine.speculate(Speculation(index, k=4)) is None
+    spec = {(s.group_id, s.sample_index): s for s in engine.generate(_requests(tok, 4, params))}
+    assert engine.speculation_stats.accepted > 0 and engine.decode_steps > 0
+    assert {k: s.token_ids for k, s in spec.items()} == {k: s.token_ids for k, s in plain.items()}
+    for key, s in spec.items():
+        assert s.logprobs == pytest.approx(plain[key].logprobs, abs=1e-3)
+
+
 def test_new_weights_land_on_the_engines_device(tiny_policy_dir, tmp_path):
     engine = engines.build_engine("embedded", tiny_policy_dir, "float32", 0, device="cuda")
     other, tok = load_policy(tiny_policy_dir)

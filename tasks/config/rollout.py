@@ -17,7 +17,7 @@ class SpeculativeConfig(Config):
 
     enabled: bool = False
     """Draft and verify. Rows are the ones plain sampling gives with the same seeds; only the speed changes."""
-    k: int = Field(4, ge=1, le=64)
+    k: int = Field(8, ge=1, le=64)
     """Most drafted tokens a sample feeds per decode step (a sample's draft shrinks to what was accepted after a
     rejection, and doubles after a full acceptance, up to this)."""
     history_rounds: int = Field(2, ge=0, le=64)

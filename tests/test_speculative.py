@@ -415,3 +415,26 @@ def test_a_speculative_campaign_stores_the_rows_plain_sampling_stores(tiny_campa
     result = rl_campaign(CampaignConfig.model_validate(config), storage=storage, resume=True)
     assert [r["round"] for r in result["rounds"]] == [0, 1, 2, 3]
     assert rows(storage, 3) == rows(tiny_campaign["storage"], 3)
+
+
+def test_an_engine_that_cannot_verify_drafts_generates_plainly_and_says_why(policy, tmp_path):
+    from types import SimpleNamespace
+
+    from models.engines.types import EngineInfo
+    from storage.paths import StorageRoot
+    from tasks.config.rollout import SpeculativeConfig
+    from tasks.report import health_report
+    from tasks.speculation import speculation_figures, start_speculation
+
+    model, tok = policy
+    root, on = StorageRoot.of(str(tmp_path)), SpeculativeConfig(enabled=True)
+    padded = EmbeddedEngine(model, tok.eos_token_id, tok.pad_token_id, kv_cache="padded")
+    vllm_like = SimpleNamespace(info=EngineInfo("vllm", "0.32.0", "float32"))  # an engine with no speculate()
+    for engine, says in ((padded, "slot cache"), (vllm_like, "vllm engine does not draft")):
+        index, why_not = start_speculation(engine, on, root, "run", 2)
+        assert index is None and says in why_not
+        figures = speculation_figures(index, None, 5, why_not)
+        assert figures["rollout/speculative"] == 0 and figures["rollout/speculative_unavailable"] == 1
+        assert "the engine cannot" in health_report("run", 2, figures, None, None)
+    off = speculation_figures(None, None, 5, None)
+    assert "| speculative rollout | off |" in health_report("run", 2, off, None, None)

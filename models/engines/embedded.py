@@ -205,7 +205,7 @@ class EmbeddedEngine(RolloutEngine):
                 if recomputed is not None:
                     emitted = _pairs(*sample_tokens(recomputed, seqs, self.stop_token_ids))
                 elif seqs and any(drafts):
-                    emitted = self._verify(cache, seqs, last, drafts)
+                    emitted = self._verify(cache, seqs, drafts)
                     self.decode_steps += 1
                 elif seqs:
                     logits = cache.step(last)  # feed the tokens sampled last step; fresh logits for all rows
@@ -274,20 +274,20 @@ class EmbeddedEngine(RolloutEngine):
         self.speculation_stats.draft_s += time.perf_counter() - began
         return drafts
 
-    def _verify(self, cache: SlotCache, seqs: list[_Sequence], last: torch.Tensor, drafts: list[list[int]]):
+    def _verify(self, cache: SlotCache, seqs: list[_Sequence], drafts: list[list[int]]):
         """One decode step feeding each row its last token and its draft; per row the tokens it emits: the
         drafts that are plain sampling's own draws, then plain sampling's draw at the first that is not (or
         after the last). Rolls the cache back past the rejected drafts (models/engines/speculative.py)."""
         counts = [1 + len(d) for d in drafts]
-        rows = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(counts)).to(self.device)
-        steps = torch.tensor([j for c in counts for j in range(c)], device=self.device)
-        packed = []
-        for row, d in enumerate(drafts):
-            packed.append(int(last[row]))
-            packed.extend(d)
-        logits = cache.verify(torch.tensor(packed, device=self.device), rows, steps)
-        ahead = [s for s, c in zip(seqs, counts) for _ in range(c)]
-        tokens, logprobs = sample_tokens(logits, ahead, self.stop_token_ids, steps.tolist())
+        packed = [token for s, d in zip(seqs, drafts) for token in (s.tokens[-1], *d)]  # a row's last, then its draft
+        rows = [row for row, c in enumerate(counts) for _ in range(c)]
+        steps = [j for c in counts for j in range(c)]
+        logits = cache.verify(
+            torch.tensor(packed, device=self.device),
+            torch.tensor(rows, device=self.device),
+            torch.tensor(steps, device=self.device),
+        )
+        tokens, logprobs = sample_tokens(logits, [seqs[row] for row in rows], self.stop_token_ids, steps)
         tokens, logprobs = tokens.tolist(), logprobs.tolist()
         emitted: list[list[tuple[int, float]]] = []
         stats = self.speculation_stats
@@ -295,9 +295,9 @@ class EmbeddedEngine(RolloutEngine):
         for s, d in zip(seqs, drafts):
             draws = tokens[at : at + len(d) + 1]
             out = list(zip(speculative.accepted_tokens(draws, d), logprobs[at : at + len(d) + 1]))
-            if d:  # the next draft: as long as what was accepted and one more, twice as long after a full acceptance
-                s.draft_len = len(out) if len(out) <= len(d) else 2 * len(d)
             if d:
+                # the next draft: as long as what was accepted, plus one; twice as long after a full acceptance
+                s.draft_len = len(out) if len(out) <= len(d) else 2 * len(d)
                 stats.drafting_rows += 1
                 stats.drafted += len(d)
                 stats.accepted += len(out) - 1

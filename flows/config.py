@@ -57,6 +57,8 @@ class PolicyConfig(Config):
 class RoundConfig(Config):
     """Everything one round does, stage by stage."""
 
+    INPUTS_AT_DEFAULT = frozenset({"device"})  # where it computes: a campaign may resume on another machine
+
     policy: PolicyConfig = PolicyConfig()
     """The policy the campaign starts from."""
     prompts: PromptsConfig = PromptsConfig()

@@ -187,3 +187,29 @@ def test_the_verifiers_a_config_may_name_are_the_registrys():
     from tasks.verifiers.registry import VERIFIERS
 
     assert sorted(KNOWN_VERIFIERS) == sorted(VERIFIERS)
+
+
+def test_fields_that_change_only_speed_or_placement_leave_the_config_hash_alone():
+    """The hash is part of every stage's resume key: a campaign resumed on a GPU machine, or with speculation turned
+    on, must find its records; and the hash of a config at its defaults is the one recorded before these fields
+    were set apart (``rollout.speculative`` is new, so it is left out; ``device`` is dumped at its default)."""
+    import hashlib
+    import json
+
+    from flows.config import RoundConfig
+
+    plain = RoundConfig()
+    recorded = plain.model_dump(mode="json")
+    recorded["rollout"].pop("speculative")
+    assert (
+        plain.config_hash()
+        == hashlib.sha256(json.dumps(recorded, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+    )
+    moved = RoundConfig.model_validate(
+        {
+            "device": "cpu",
+            "rollout": {"gpu_memory_utilization": 0.3, "tensor_parallel_size": 2, "speculative": {"enabled": True}},
+        }
+    )
+    assert moved.config_hash() == plain.config_hash()
+    assert RoundConfig.model_validate({"rollout": {"temperature": 0.5}}).config_hash() != plain.config_hash()

@@ -410,8 +410,10 @@ def test_a_speculative_campaign_stores_the_rows_plain_sampling_stores(tiny_campa
     ]
     assert weights[0] == weights[1]
 
+    # resumed with speculation off, on a named device and with another GPU share: none is a stage input
     config["rounds"] = 3
-    config["round"]["rollout"]["speculative"] = {"enabled": False}
+    config["round"]["rollout"] = {"speculative": {"enabled": False}, "gpu_memory_utilization": 0.3}
+    config["round"]["device"] = "cpu"
     result = rl_campaign(CampaignConfig.model_validate(config), storage=storage, resume=True)
     assert [r["round"] for r in result["rounds"]] == [0, 1, 2, 3]
     assert rows(storage, 3) == rows(tiny_campaign["storage"], 3)

@@ -20,21 +20,25 @@ class Config(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     NOT_INPUTS: ClassVar[frozenset[str]] = frozenset()
-    """Fields that change how fast a stage computes, never what: left out of a stage's resume key and the round's
-    config hash, so a resumed campaign may change them (``rollout.speculative``: its rows are plain sampling's)."""
+    """Fields that change how fast a stage computes, or where, never what: left out of a stage's resume key and the
+    round's config hash, so a resumed campaign may change them (``rollout.speculative``: its rows are plain
+    sampling's)."""
+    INPUTS_AT_DEFAULT: ClassVar[frozenset[str]] = frozenset()
+    """The same kind of fields, but ones that keys recorded before ``NOT_INPUTS`` existed hold: they stay in the key
+    at their default value whatever they are set to, so those records still match (``round.device``)."""
 
     def inputs_dump(self) -> dict:
-        """The config as a stage input: ``model_dump(mode='json')`` without the ``NOT_INPUTS`` at any depth."""
-        return self.model_dump(mode="json", exclude=_not_inputs(self))
-
-
-def _not_inputs(model: BaseModel) -> dict:
-    exclude: dict = {name: True for name in getattr(model, "NOT_INPUTS", ())}
-    for name in type(model).model_fields:
-        value = getattr(model, name)
-        if name not in exclude and isinstance(value, BaseModel) and (inner := _not_inputs(value)):
-            exclude[name] = inner
-    return exclude
+        """The config as a stage input: ``model_dump(mode='json')`` without the ``NOT_INPUTS`` and with the
+        ``INPUTS_AT_DEFAULT`` at their defaults, at any depth."""
+        dump = self.model_dump(mode="json", exclude=self.NOT_INPUTS)
+        fields = type(self).model_fields
+        for name in self.INPUTS_AT_DEFAULT:
+            dump[name] = fields[name].default
+        for name in dump:
+            value = getattr(self, name)
+            if isinstance(value, Config) and name not in self.INPUTS_AT_DEFAULT:
+                dump[name] = value.inputs_dump()
+        return dump
 
 
 def field_help(model: type[BaseModel], loc: tuple[Any, ...]) -> str | None:

@@ -41,6 +41,7 @@ class RolloutConfig(Config):
     """How samples are generated."""
 
     NOT_INPUTS = frozenset({"speculative"})
+    INPUTS_AT_DEFAULT = frozenset({"gpu_memory_utilization", "tensor_parallel_size"})
 
     engine: Literal["embedded", "vllm"] = "embedded"
     """Rollout engine: 'embedded' (torch in this process, any Hugging Face causal LM) or 'vllm'

@@ -64,7 +64,7 @@ def collection(storage: str, config, run: dict, speculative: bool) -> dict:
     from storage.trajectories import committed_round_version, read_carryover
     from tasks.engines import serving_engine
     from tasks.rollout import generate_and_verify
-    from tasks.speculation import speculation_figures, start_speculation
+    from tasks.speculation import RoundSpeculation
 
     root = StorageRoot.of(storage)
     last = run["rounds"][-1]
@@ -74,11 +74,10 @@ def collection(storage: str, config, run: dict, speculative: bool) -> dict:
     engine.configure(rc.rollout.max_batch, rc.rollout.update_kv)
     settings = rc.rollout.speculative.model_copy(update={"enabled": speculative})
     round_index = last["round"] + 1
-    index, why_not = start_speculation(engine, settings, root, run["run_id"], round_index)
-    if why_not:
-        raise SystemExit(f"speculation is off: {why_not}")
     carried = read_carryover(root, committed_round_version(root, run["run_id"], last["round"]))
-    steps, used = engine.decode_steps, engine.speculation_stats.copy()
+    speculation = RoundSpeculation(engine, settings, root, run["run_id"], round_index)
+    if speculation.why_not:
+        raise SystemExit(f"speculation is off: {speculation.why_not}")
     start = time.time()
     result = generate_and_verify(
         engine,
@@ -95,8 +94,7 @@ def collection(storage: str, config, run: dict, speculative: bool) -> dict:
         carried_rows=carried,
         policy_version=last["round"],
     )
-    engine.speculate(None)
-    figures = speculation_figures(index, engine.speculation_stats.minus(used), engine.decode_steps - steps, None)
+    figures = speculation.finish()
     s = result.stats
     history_s = figures.get("rollout/spec_history_s", 0.0)
     return {  # the stage reads and indexes the history before it generates: that counts
@@ -125,7 +123,7 @@ def throughput(storage: str, config, run: dict, batch: int, speculative: bool, s
     from storage.paths import StorageRoot
     from tasks.engines import serving_engine
     from tasks.prompts import prompt_stream
-    from tasks.speculation import start_speculation
+    from tasks.speculation import RoundSpeculation
 
     root = StorageRoot.of(storage)
     last = run["rounds"][-1]
@@ -134,23 +132,21 @@ def throughput(storage: str, config, run: dict, batch: int, speculative: bool, s
     engine, tokenizer, _ = serving_engine("embedded", local, rc.rollout.dtype, last["round"], batch)
     engine.configure(batch, rc.rollout.update_kv)
     settings = rc.rollout.speculative.model_copy(update={"enabled": speculative})
-    start_speculation(engine, settings, root, run["run_id"], last["round"] + 1)
     n = rc.rollout.samples_per_prompt
     prompts = list(itertools.islice(prompt_stream(rc.prompts, 7), max(1, samples // n)))
     sampling = SamplingParams(rc.rollout.temperature, rc.rollout.top_p, rc.rollout.max_tokens, seed=7)
     groups = [GroupRequest(f"t{i}", encode_prompt(tokenizer, p)[1], n, sampling) for i, p in enumerate(prompts)]
-    steps, used = engine.decode_steps, engine.speculation_stats.copy()
+    speculation = RoundSpeculation(engine, settings, root, run["run_id"], last["round"] + 1)
     began = time.perf_counter()
     tokens = sum(len(s.token_ids) for s in engine.generate(groups))
     seconds = time.perf_counter() - began
-    engine.speculate(None)
-    used = engine.speculation_stats.minus(used)
+    figures = speculation.finish()
     return {
         "tokens_per_s": tokens / seconds,
-        "decode_steps": engine.decode_steps - steps,
+        "decode_steps": figures["rollout/decode_steps"],
         "tokens": tokens,
-        "acceptance": used.accepted / max(used.drafted, 1),
-        "drafted": used.drafted,
+        "acceptance": figures.get("rollout/spec_acceptance", 0.0),
+        "drafted": figures.get("rollout/spec_drafted_tokens", 0),
     }
 
 

@@ -50,7 +50,7 @@ from tasks.prompts import PromptError, prompt_stream
 from tasks.ready_pool import PARTIAL, Group, Harvest, PoolLimits, ReadyPool
 from tasks.results import NotInput, Staged
 from tasks.rows import Drawn, groups_from_carry, sample_row
-from tasks.speculation import speculation_figures, start_speculation
+from tasks.speculation import RoundSpeculation
 from tasks.verifiers.outcome import Outcome
 from tasks.verifiers.pool import VerifierPool, check_infra_failure_rate
 from tasks.verifiers.registry import rollout_verifier, rollout_verifier_version, scores_inline
@@ -378,11 +378,9 @@ def run_rollout(
         update_kv=rollout.update_kv,
         device=device,
     )
-    index, why_not = start_speculation(engine, rollout.speculative, root, ctx.run_id, ctx.round)
-    if why_not and progress:
-        progress(f"rollout: speculative rollout is off: {why_not}")
-    steps_before = engine.decode_steps
-    used_before = engine.speculation_stats.copy() if index is not None else None
+    speculation = RoundSpeculation(engine, rollout.speculative, root, ctx.run_id, ctx.round)
+    if speculation.why_not and progress:
+        progress(f"rollout: speculative rollout is off: {speculation.why_not}")
     try:
         result = generate_and_verify(
             engine,
@@ -403,10 +401,8 @@ def run_rollout(
             overlap.next_policy if overlap is not None else None,
         )
     finally:
-        if index is not None:
-            engine.speculate(None)  # evaluation and publish share the engine: they sample plainly
-    used = engine.speculation_stats.minus(used_before) if used_before is not None else None
-    result.stats.update(speculation_figures(index, used, engine.decode_steps - steps_before, why_not))
+        figures = speculation.finish()
+    result.stats.update(figures)
     check_infra_failure_rate(result.stats, verify.max_infra_failure_rate, ctx.round)  # before anything is staged
     staging, carryover = stage_rollout(root, ctx.run_id, ctx.round, result.rows, result.carry_rows)
     return Staged(staging=staging, carryover=carryover, stats=result.stats)

@@ -53,6 +53,27 @@ def start_speculation(
     return (None, why_not) if why_not else (index, None)
 
 
+class RoundSpeculation:
+    """One rollout's speculation: on from construction (``why_not`` says why it is not, where it cannot be) until
+    ``finish``, which turns it off (evaluation and publish share the engine and sample plainly) and returns the
+    rollout's figures: its decode steps, and what speculation did in them."""
+
+    def __init__(
+        self, engine: RolloutEngine, settings: SpeculativeConfig, root: StorageRoot, run_id: str, round_index: int
+    ):
+        self.engine = engine
+        self.index, self.why_not = start_speculation(engine, settings, root, run_id, round_index)
+        self._steps = engine.decode_steps
+        self._used = engine.speculation_stats.copy() if self.index is not None else None
+
+    def finish(self) -> dict[str, float]:
+        used = None
+        if self.index is not None:
+            self.engine.speculate(None)
+            used = self.engine.speculation_stats.minus(self._used)
+        return speculation_figures(self.index, used, self.engine.decode_steps - self._steps, self.why_not)
+
+
 def speculation_figures(
     index: DraftIndex | None, used: SpeculationStats | None, decode_steps: int, why_not: str | None
 ) -> dict[str, float]:

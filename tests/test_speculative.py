@@ -366,7 +366,7 @@ def test_a_speculative_campaign_stores_the_rows_plain_sampling_stores(tiny_campa
     from flows.config import RoundConfig
     from tasks.engines import serving_engine
     from tasks.rollout import generate_and_verify
-    from tasks.speculation import speculation_figures, start_speculation
+    from tasks.speculation import RoundSpeculation
 
     rc = RoundConfig.model_validate(config["round"])
     base = StorageRoot.of(storage).base_policy("builtin-addition-v2")
@@ -374,15 +374,14 @@ def test_a_speculative_campaign_stores_the_rows_plain_sampling_stores(tiny_campa
     collected = {}
     for on in (False, True):
         settings = rc.rollout.speculative.model_copy(update={"enabled": on})
-        index, why_not = start_speculation(engine, settings, StorageRoot.of(storage), "tiny", 3)
-        assert why_not is None and (index is not None) == on
-        steps, used = engine.decode_steps, engine.speculation_stats.copy()
+        speculation = RoundSpeculation(engine, settings, StorageRoot.of(storage), "tiny", 3)
+        assert speculation.why_not is None and (speculation.index is not None) == on
         result = generate_and_verify(
             engine, tokenizer, rc.prompts, rc.rollout, rc.verify_resolved, rc.filter, 32, 5, "tiny", 3
         )
-        engine.speculate(None)
+        figures = speculation.finish()
+        assert figures["rollout/decode_steps"] > 0
         collected[on] = {(r.group_id, r.sample_index): r.completion_token_ids for r in result.rows}
-    figures = speculation_figures(index, engine.speculation_stats.minus(used), engine.decode_steps - steps, None)
     # Each finished sample is the plain one; which groups finish before the batch is full can differ (samples advance
     # by more than a token a step), as a partial rollout's stop point does.
     both = collected[True].keys() & collected[False].keys()

@@ -187,7 +187,7 @@ class EmbeddedEngine(RolloutEngine):
         cache = self._new_cache()
         speculation = self._speculation if isinstance(cache, SlotCache) else None
         seqs: list[_Sequence] = []  # the live rows, in the cache's row order
-        logits = last = None  # [A, V] next-token logits; [A] the tokens sampled last step
+        last = None  # [A] each live row's last token, fed by the next plain decode step
         drafts: list[list[int]] = []  # per live row: the tokens drafted to verify with its last one
         with torch.inference_mode():
             while True:

@@ -127,21 +127,25 @@ class Follow:
 
 @dataclass
 class DraftIndex:
-    """Earlier completions, for drafting: by prompt, and by every run of ``match``..``MAX_MATCH`` tokens.
+    """Earlier completions, for drafting: by prompt, and by the runs of ``sizes`` tokens before each of their
+    positions (``match_sizes(match)``).
 
-    Adding a completion costs a dictionary entry per token and match length; ``max_tokens`` bounds the
+    Adding a completion costs a dictionary entry per token and context length; ``max_tokens`` bounds the
     tokens held (once reached, later completions are not added: the history is read newest first).
     ``indexed_tokens`` and ``index_s`` say what it cost."""
 
     match: int = 3
     max_tokens: int = 1_000_000
-    sizes: tuple[int, ...] = ()  # the context lengths indexed, longest first (default: match_sizes(match))
     per_prompt: int = 8  # completions kept per prompt, newest first
     by_prompt: dict[Tokens, list[Follow]] = field(default_factory=dict)
     by_context: dict[Tokens, tuple[Tokens, int, tuple[float, ...]]] = field(default_factory=dict)  # as Follow's fields
     indexed_tokens: int = 0
     index_s: float = 0.0  # seconds spent adding completions
     history_s: float = 0.0  # seconds the stage spent reading and indexing the history it started from
+    sizes: tuple[int, ...] = field(init=False)  # the context lengths indexed, longest first
+
+    def __post_init__(self) -> None:
+        self.sizes = match_sizes(self.match)
 
     def add(
         self,
@@ -169,19 +173,15 @@ class DraftIndex:
                 del refs[self.per_prompt :]
             elif len(refs) < self.per_prompt:
                 refs.append(reference)
-        if not contexts:
-            self.indexed_tokens += len(completion)
-            self.index_s += time.perf_counter() - began
-            return
-        contexts = self.by_context
-        sizes = self.sizes or match_sizes(self.match)
-        for at in range(len(prompt), len(full)):
-            for n in sizes:
-                if n > at:
-                    continue
-                key = full[at - n : at]
-                if newest or key not in contexts:
-                    contexts[key] = (full, at, reference.logprobs)
+        if contexts:
+            by_context = self.by_context
+            for at in range(len(prompt), len(full)):
+                for n in self.sizes:
+                    if n > at:
+                        continue
+                    key = full[at - n : at]
+                    if newest or key not in by_context:
+                        by_context[key] = (full, at, reference.logprobs)
         self.indexed_tokens += len(completion)
         self.index_s += time.perf_counter() - began
 
@@ -212,7 +212,7 @@ class DraftIndex:
             if written < MAX_MATCH
             else tuple(generated[-MAX_MATCH:])
         )
-        for size in self.sizes or match_sizes(self.match):
+        for size in self.sizes:
             if size > len(tail):
                 continue
             hit = self.by_context.get(tail[len(tail) - size :])

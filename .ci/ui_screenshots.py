@@ -76,7 +76,7 @@ def _seed_base(storage: str) -> None:
     sys.path.insert(0, REPO)
     from storage import checkpoints
     from storage.paths import StorageRoot
-    from tasks.base import run_prepare_base
+    from tasks.campaign.base_policy import run_prepare_base
 
     built = run_prepare_base(storage=source, base_model="builtin")
     lineage = checkpoints.read_lineage(StorageRoot.of(built.checkpoint), built.checkpoint)

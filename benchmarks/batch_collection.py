@@ -90,8 +90,8 @@ def slot_idle_seconds(rows: list[dict], start: float, end: float, slots: int) ->
 
 
 def collection_round(engine, tokenizer, rc, mode: str, seed: int, round_index: int, carried: list) -> dict:
-    from tasks.filter import apply_decisions, decide, length_bias
-    from tasks.rollout import generate_and_verify
+    from tasks.filter.stage import apply_decisions, decide, length_bias
+    from tasks.rollout.stage import generate_and_verify
 
     steps_before = engine.decode_steps
     start = time.time()
@@ -301,8 +301,8 @@ def main() -> None:
 
     from storage import checkpoints
     from storage.paths import StorageRoot
-    from tasks.base import run_prepare_base
-    from tasks.engines import build_engine, close_engine, load_tokenizer
+    from tasks.campaign.base_policy import run_prepare_base
+    from tasks.serving.engines import build_engine, close_engine, load_tokenizer
 
     rc = campaign_config.round
     if args.env_median_s is not None:  # how the modes compare as the environment answers faster or slower

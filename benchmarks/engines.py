@@ -81,7 +81,7 @@ def main() -> None:
     import torch
     from transformers.utils import logging as hf_logging
 
-    from tasks.engines import build_engine, close_engine, load_tokenizer
+    from tasks.serving.engines import build_engine, close_engine, load_tokenizer
 
     hf_logging.set_verbosity_error()
     start = time.perf_counter()

@@ -57,9 +57,9 @@ def main() -> None:
 
     from flows.config import describe_validation_error, load_campaign_config
     from models.engines.types import GroupRequest, SamplingParams
-    from tasks.base import run_prepare_base
-    from tasks.engines import make_engine
-    from tasks.prompts import prompt_stream
+    from tasks.campaign.base_policy import run_prepare_base
+    from tasks.prompts.sources import prompt_stream
+    from tasks.serving.engines import make_engine
     from tasks.verifiers.pool import VerifierPool
     from tasks.verifiers.registry import rollout_verifier
 

@@ -2,7 +2,7 @@
 
 For each engine (embedded, vLLM) and model size, a serving engine is started on checkpoint A; then
 ``--repeats`` times a new checkpoint (A and B alternating, both committed on local disk beforehand)
-is published to it through the same call the round's publish stage makes (tasks.engines.serving_engine):
+is published to it through the same call the round's publish stage makes (tasks.serving.engines.serving_engine):
 
     latency  checkpoint on disk -> the engine serves it (read, load in place, prefix cache reset)
     pause    the part of that during which the engine could not serve (what the engine reports)
@@ -38,7 +38,7 @@ def main() -> None:
     from transformers.utils import logging as hf_logging
 
     from models.engines.types import GroupRequest, SamplingParams
-    from tasks.engines import drop_serving_engines, serving_engine
+    from tasks.serving.engines import drop_serving_engines, serving_engine
 
     hf_logging.set_verbosity_error()
     print(

@@ -18,16 +18,16 @@ import time
 
 
 def one_round(engine, tokenizer, groups: int, partial: bool, seed: int, inline: bool = True) -> dict:
-    import tasks.rollout
+    import tasks.rollout.stage
     from tasks.config.filter import FilterConfig
     from tasks.config.prompts import PromptsConfig
     from tasks.config.rollout import RolloutConfig
     from tasks.config.verify import VerifyConfig
-    from tasks.rollout import generate_and_verify
+    from tasks.rollout.stage import generate_and_verify
 
-    declared = tasks.rollout.scores_inline
+    declared = tasks.rollout.stage.scores_inline
     if not inline:  # what every verifier got before ``VerifierSpec.inline``: a worker thread per call
-        tasks.rollout.scores_inline = lambda name, config: False
+        tasks.rollout.stage.scores_inline = lambda name, config: False
     start = time.perf_counter()
     try:
         result = generate_and_verify(
@@ -43,7 +43,7 @@ def one_round(engine, tokenizer, groups: int, partial: bool, seed: int, inline: 
             round_index=1,
         )
     finally:
-        tasks.rollout.scores_inline = declared
+        tasks.rollout.stage.scores_inline = declared
     return {
         "seconds": time.perf_counter() - start,
         "time_to_trainable_batch_s": result.stats["rollout/time_to_trainable_batch_s"],
@@ -72,8 +72,8 @@ def main() -> None:
 
     from storage import checkpoints
     from storage.paths import StorageRoot
-    from tasks.base import run_prepare_base
-    from tasks.engines import build_engine, load_tokenizer
+    from tasks.campaign.base_policy import run_prepare_base
+    from tasks.serving.engines import build_engine, load_tokenizer
 
     base = run_prepare_base(storage=args.storage, base_model="builtin", device=args.device)
     local = checkpoints.local_copy(StorageRoot.of(args.storage), base.checkpoint)

@@ -8,7 +8,7 @@ Per preset (the long-tail one and the default one):
 1. A campaign of ``--rounds`` rounds from the preset's base, speculation off (``rollout.speculative``), or the one
    already in ``--storage`` under the same run id (a rerun reuses it). Its last round's checkpoint is what the
    rest samples from, and its committed rounds are the history drafts come from.
-2. Collection: the next round's rollout stage (``tasks.rollout.generate_and_verify``: ready pool, verifiers,
+2. Collection: the next round's rollout stage (``tasks.rollout.stage.generate_and_verify``: ready pool, verifiers,
    partial rollouts, the last round's carry-over resumed), with and without speculation, ``--repeats`` times each
    in alternation: decode steps, time to a trainable batch, acceptance, tokens per verification step, drafting and
    indexing seconds, and whether the two produced the same rows (they should: every emitted token is plain
@@ -62,9 +62,9 @@ def collection(storage: str, config, run: dict, speculative: bool) -> dict:
     from storage import checkpoints
     from storage.paths import StorageRoot
     from storage.trajectories import committed_round_version, read_carryover
-    from tasks.engines import serving_engine
-    from tasks.rollout import generate_and_verify
-    from tasks.speculation import RoundSpeculation
+    from tasks.rollout.speculation import RoundSpeculation
+    from tasks.rollout.stage import generate_and_verify
+    from tasks.serving.engines import serving_engine
 
     root = StorageRoot.of(storage)
     last = run["rounds"][-1]
@@ -121,9 +121,9 @@ def throughput(storage: str, config, run: dict, batch: int, speculative: bool, s
     from models.prompt import encode_prompt
     from storage import checkpoints
     from storage.paths import StorageRoot
-    from tasks.engines import serving_engine
-    from tasks.prompts import prompt_stream
-    from tasks.speculation import RoundSpeculation
+    from tasks.prompts.sources import prompt_stream
+    from tasks.rollout.speculation import RoundSpeculation
+    from tasks.serving.engines import serving_engine
 
     root = StorageRoot.of(storage)
     last = run["rounds"][-1]

@@ -101,7 +101,7 @@ def main() -> None:
     from storage.paths import StorageRoot
     from storage.query import export_table
     from storage.trajectories import read_manifest, read_table, rows_to_table, write_version
-    from tasks.train import TRAIN_COLUMNS, kept_rows
+    from tasks.train.stage import TRAIN_COLUMNS, kept_rows
 
     table = rows_to_table(round_rows(args.groups, args.samples))
     with tempfile.TemporaryDirectory(prefix="rlrounds-bench-") as tmp:

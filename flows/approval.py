@@ -16,10 +16,10 @@ from prefect.input import RunInput
 
 from flows.progress import artifact_key, stage_logger
 from flows.tasks import decide_promotion_task
-from tasks.approval import approval_markdown
 from tasks.config.evaluate import EvaluateConfig
-from tasks.context import RoundContext
-from tasks.results import Evaluation, NotInput, Promotion
+from tasks.evaluate.approval import approval_markdown
+from tasks.round.context import RoundContext
+from tasks.round.results import Evaluation, NotInput, Promotion
 
 
 class Approval(RunInput):

@@ -25,9 +25,9 @@ from flows.tasks import preflight_task, prepare_base_task, register_base_task
 from storage.campaigns import Owner, assert_owner, claim, release
 from storage.paths import StorageRoot
 from storage.settings import settings
-from tasks.engines import released_engines
-from tasks.start import StartPoint
-from tasks.train_workers import released_workers, worker_group
+from tasks.campaign.start import StartPoint
+from tasks.serving.engines import released_engines
+from tasks.train.worker_group import released_workers, worker_group
 
 log = logging.getLogger("rlrounds")
 

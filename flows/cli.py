@@ -149,7 +149,7 @@ def _resume_config(run_id: str, path: str | None, rounds: int | None, storage: s
 def _check_before_starting(config, storage: str, resume: bool, takeover: bool) -> None:
     """Every input and ownership check the flow makes first, made here before Prefect starts, so a
     problem costs a second and ends in one line with nothing written. The flow repeats them (cheap)."""
-    from tasks.preflight import run_preflight
+    from tasks.campaign.preflight import run_preflight
 
     if config.run_id:
         claim(
@@ -330,11 +330,11 @@ KNOWN_INPUT_ERRORS = frozenset(
     {
         "models.checkpoint.PolicyLoadError",
         "models.device.DeviceError",
-        "tasks.prompts.PromptError",
+        "tasks.prompts.sources.PromptError",
         "models.prompt.ChatTemplateError",
         "storage.campaigns.CampaignError",
         "tasks.verifiers.pool.InfraFailureRateError",
-        "storage.model_versions.LineageError",  # includes storage.lineage.AuditError, tasks.replay.ReplayError
+        "storage.model_versions.LineageError",  # includes storage.lineage.AuditError, tasks.campaign.replay.ReplayError
         "storage.trajectories.TrajectoryStoreError",  # includes CorruptPartError
         "storage.query.QueryError",
         "storage.checkpoints.CheckpointError",

@@ -254,7 +254,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_refilter(args: argparse.Namespace) -> int:
-    from tasks.refilter import run_refilter
+    from tasks.filter.refilter import run_refilter
 
     if args.target_groups is not None and (not args.regroup or args.target_groups < 1):
         raise UserError("--target-groups needs --regroup and a positive number of groups")
@@ -273,7 +273,7 @@ def cmd_refilter(args: argparse.Namespace) -> int:
 
 
 def cmd_reverify(args: argparse.Namespace) -> int:
-    from tasks.refilter import run_reverify
+    from tasks.filter.refilter import run_reverify
 
     root = _root(args)
     request = ReverifyRequest(

@@ -19,8 +19,8 @@ from flows.tasks import evaluate_version_task
 from storage.settings import settings
 from tasks.config.base import Dtype
 from tasks.config.evaluate import EvaluateConfig
-from tasks.engines import released_engines
-from tasks.results import VersionEvaluation
+from tasks.round.results import VersionEvaluation
+from tasks.serving.engines import released_engines
 
 TRAIN_DTYPE = "float32"  # the trainer always works in float32 (tasks/train.run_train)
 

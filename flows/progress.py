@@ -21,7 +21,7 @@ from prefect.artifacts import create_progress_artifact, create_table_artifact, u
 from prefect.exceptions import MissingContextError
 from prefect.logging import get_run_logger
 
-from tasks.report import report_progress
+from tasks.round.report import report_progress
 
 log = logging.getLogger("rlrounds")
 _FRACTION = re.compile(r"(\d+)/(\d+)")

@@ -1,11 +1,11 @@
 """Replay and re-filter as Prefect flows: work on what rounds left behind, without new rollouts.
 
 - ``rl-replay``: train on a stored trajectory version from a registered model version and publish the
-  result with its lineage (tasks/replay.py).
+  result with its lineage (tasks/campaign/replay.py).
 - ``rl-refilter``: select rows of a trajectory version with an SQL predicate, optionally regroup, and
-  commit a derived version (tasks/refilter.py).
+  commit a derived version (tasks/filter/refilter.py).
 - ``rl-reverify``: score selected rows of a trajectory version again (by default its infrastructure
-  failures, once the environment is fixed) into a derived version (tasks/refilter.py).
+  failures, once the environment is fixed) into a derived version (tasks/filter/refilter.py).
 
 Sequencing only. The parameters are pydantic models, so the Prefect UI renders them as forms.
 """
@@ -20,9 +20,9 @@ from flows.config import ReplayRequest, RoundConfig
 from flows.tasks import plan_replay_task, publish_replay_task, refilter_task, reverify_task, train_task
 from storage.settings import settings
 from tasks.config.refilter import RefilterRequest, ReverifyRequest
-from tasks.engines import released_engines
-from tasks.results import Reverified, TrajectoryVersion
-from tasks.train_workers import released_workers
+from tasks.round.results import Reverified, TrajectoryVersion
+from tasks.serving.engines import released_engines
+from tasks.train.worker_group import released_workers
 
 
 @flow(name="rl-replay", validate_parameters=True)

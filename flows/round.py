@@ -1,10 +1,10 @@
 """One RL round as a Prefect flow: rollout -> verify -> filter -> store -> train -> publish -> evaluate.
 
 Sequencing only: every stage is a task that takes URIs and configs by keyword and returns a typed
-result (tasks/results.py) of URIs and small stats. Rollout verifies each sample as it finishes
+result (tasks/round/results.py) of URIs and small stats. Rollout verifies each sample as it finishes
 (verification overlaps generation); filter commits the trajectory version to the store.
 
-``round.mode: overlap`` (tasks/overlap.py): once this round's trajectories are committed, the next
+``round.mode: overlap`` (tasks/rollout/overlap.py): once this round's trajectories are committed, the next
 round's rollout is submitted as its own task run and generates while this round trains, publishes and
 evaluates; train hands it the new checkpoint. The round ends when that rollout is recorded (under the
 next round, which then finds its rollout committed and goes straight to filter).
@@ -36,10 +36,10 @@ from flows.tasks import (
 )
 from storage.checkpoints import read_lineage
 from storage.paths import StorageRoot
-from tasks.context import RoundContext
-from tasks.overlap import NextPolicy, Overlapped, RolloutCancelled
-from tasks.results import Evaluation, StageResult, Stats
-from tasks.rollout import carry_source
+from tasks.rollout.overlap import NextPolicy, Overlapped, RolloutCancelled
+from tasks.rollout.stage import carry_source
+from tasks.round.context import RoundContext
+from tasks.round.results import Evaluation, StageResult, Stats
 
 OVERLAPPED_PARENT = "(registered while this rollout ran)"
 """An overlapped rollout's context holds this as its parent's registered version: the rollout starts

@@ -28,9 +28,9 @@ from flows.progress import stage_logger
 from storage.campaigns import read_stage, write_stage
 from storage.paths import StorageRoot
 from tasks.config.base import Config
-from tasks.context import RoundContext
-from tasks.faults import crash_point
-from tasks.results import NotInput, StageResult
+from tasks.round.context import RoundContext
+from tasks.round.faults import crash_point
+from tasks.round.results import NotInput, StageResult
 
 
 def stage_function(task: Callable[..., Any]) -> Callable[..., Any]:

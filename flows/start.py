@@ -1,7 +1,7 @@
 """One round from a model the user knows: the ``round`` deployment's flow.
 
 ``start`` is ``NAME@ALIAS`` (``rlrounds-addition@champion``), ``NAME/VERSION`` or ``base``; the registry
-supplies the parent's checkpoint, policy version and base model (tasks/start.py). The round is the
+supplies the parent's checkpoint, policy version and base model (tasks/campaign/start.py). The round is the
 one round of its own run id, claimed like a campaign (one writer per run id), so re-running the flow
 with the same run id resumes it, and always from the version ``start`` resolved to the first time.
 """
@@ -16,9 +16,9 @@ from flows.tasks import preflight_task, resolve_start_task
 from storage.campaigns import claim, read_campaign, release
 from storage.paths import StorageRoot
 from storage.settings import settings
-from tasks.engines import released_engines
-from tasks.start import BASE
-from tasks.train_workers import released_workers
+from tasks.campaign.start import BASE
+from tasks.serving.engines import released_engines
+from tasks.train.worker_group import released_workers
 
 
 @flow(name="rl-round-from", validate_parameters=True)

@@ -14,19 +14,19 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
-from tasks.approval import run_decide_promotion
-from tasks.base import run_prepare_base, run_register_base
-from tasks.evaluate import run_evaluate, run_evaluate_version
-from tasks.filter import run_filter
-from tasks.preflight import run_preflight
-from tasks.publish import run_publish
-from tasks.refilter import run_refilter, run_reverify
-from tasks.replay import run_plan_replay, run_publish_replay
-from tasks.report import run_open_round, run_record_round
-from tasks.results import RoundRecord
-from tasks.rollout import run_rollout
-from tasks.start import run_resolve_start
-from tasks.train import run_train
+from tasks.campaign.base_policy import run_prepare_base, run_register_base
+from tasks.campaign.preflight import run_preflight
+from tasks.campaign.replay import run_plan_replay, run_publish_replay
+from tasks.campaign.start import run_resolve_start
+from tasks.evaluate.approval import run_decide_promotion
+from tasks.evaluate.stage import run_evaluate, run_evaluate_version
+from tasks.filter.refilter import run_refilter, run_reverify
+from tasks.filter.stage import run_filter
+from tasks.publish.stage import run_publish
+from tasks.rollout.stage import run_rollout
+from tasks.round.report import run_open_round, run_record_round
+from tasks.round.results import RoundRecord
+from tasks.train.stage import run_train
 
 log = logging.getLogger("rlrounds")
 

@@ -1,6 +1,6 @@
 """A policy sharded across a ``torch.distributed`` process group with FSDP2, and its state's two forms.
 
-Pure torch over a loaded Hugging Face causal LM; the worker group that drives it is tasks/train_workers.py.
+Pure torch over a loaded Hugging Face causal LM; the worker group that drives it is tasks/train/worker_group.py.
 
     shard_policy(model)                  fully_shard each decoder layer, then the root
     full_weights(model)                  every rank takes part; rank 0 gets the whole state on the CPU

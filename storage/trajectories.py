@@ -53,7 +53,7 @@ class CorruptPartError(TrajectoryStoreError):
 class TrajectoryRow:
     """One sample as the store holds it: its fields are the Parquet columns, in order (``arrow_schema``).
 
-    Rollout builds rows of this type (tasks/rows.py) and the store turns them into Arrow once. Null
+    Rollout builds rows of this type (tasks/rollout/rows.py) and the store turns them into Arrow once. Null
     fields: ``reward``/``outcome``/``verify_error`` before a verdict; ``advantage``/``kept``/``drop_reason``
     until filter decides; ``carry_state`` except on carried-over samples; ``prompt_weight`` before 1.1.
     """

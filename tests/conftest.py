@@ -91,7 +91,7 @@ def seed_builtin_base(tmp_path_factory):
     """
     from storage import checkpoints
     from storage.paths import StorageRoot
-    from tasks.base import run_prepare_base
+    from tasks.campaign.base_policy import run_prepare_base
 
     build_root = _BASE_ROOT or str(tmp_path_factory.mktemp("base-build") / "data")
     built = run_prepare_base(storage=build_root, base_model="builtin")  # builds only if that root has no committed base

@@ -14,8 +14,8 @@ from models.engines.types import GroupRequest, SamplingParams
 from models.logprobs import pack_sequences, token_logprobs
 from models.prompt import ChatTemplateError, Prompt, encode_prompt
 from tasks.config.prompts import PromptsConfig
-from tasks.engines import build_engine, load_tokenizer
-from tasks.prompts import PromptError, load_prompt_file
+from tasks.prompts.sources import PromptError, load_prompt_file
+from tasks.serving.engines import build_engine, load_tokenizer
 
 
 def _jsonl(tmp_path, records, name="p.jsonl") -> str:

@@ -28,7 +28,7 @@ def _commit_round(root, run_id: str, round_index: int, groups: dict[str, tuple[s
 
 def test_solved_means_every_sample_of_the_latest_group_in_the_window(tmp_path):
     from storage.paths import StorageRoot
-    from tasks.curriculum import solved_prompts
+    from tasks.rollout.curriculum import solved_prompts
 
     root = StorageRoot.of(str(tmp_path))
     ok, bad, infra = "success", "model_failure", "infra_failure"
@@ -45,7 +45,7 @@ def test_solved_means_every_sample_of_the_latest_group_in_the_window(tmp_path):
 
 
 def test_the_draw_is_seeded_and_has_the_asked_probability():
-    from tasks.curriculum import admitted
+    from tasks.rollout.curriculum import admitted
 
     draws = [admitted(7, position, 0.25) for position in range(20_000)]
     assert sum(draws) / len(draws) == pytest.approx(0.25, abs=0.015)
@@ -62,7 +62,7 @@ def test_rollout_draws_solved_prompts_less_and_records_the_weight(tiny_policy_di
     from tasks.config.prompts import PromptsConfig
     from tasks.config.rollout import RolloutConfig
     from tasks.config.verify import VerifyConfig
-    from tasks.rollout import generate_and_verify
+    from tasks.rollout.stage import generate_and_verify
 
     model, tok = load_policy(tiny_policy_dir)
     solved = frozenset(make_prompt(a, b).prompt_id for a in range(100) for b in range(50))  # half the pairs

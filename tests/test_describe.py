@@ -3,7 +3,7 @@ into a real MLflow registry (SQLite) and read back."""
 
 import pytest
 
-from tasks.describe import prefect_ui_url, trajectory_origin, version_description
+from tasks.publish.describe import prefect_ui_url, trajectory_origin, version_description
 
 TAGS = {
     "round": "3",
@@ -90,10 +90,10 @@ def test_an_evaluated_round_version_carries_its_description(tmp_path, tiny_polic
     from tasks.config.evaluate import EvaluateConfig
     from tasks.config.prompts import PromptsConfig
     from tasks.config.verify import VerifyConfig
-    from tasks.context import RoundContext
-    from tasks.engines import drop_serving_engines
-    from tasks.evaluate import run_evaluate
-    from tasks.publish import lineage_tags
+    from tasks.evaluate.stage import run_evaluate
+    from tasks.publish.stage import lineage_tags
+    from tasks.round.context import RoundContext
+    from tasks.serving.engines import drop_serving_engines
 
     monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:4321/api")
     storage = str(tmp_path / "data")
@@ -148,7 +148,7 @@ def test_an_evaluated_round_version_carries_its_description(tmp_path, tiny_polic
     ],
 )
 def test_parse_start(ref, expected):
-    from tasks.start import parse_start
+    from tasks.campaign.start import parse_start
 
     assert parse_start(ref) == expected
 
@@ -156,7 +156,7 @@ def test_parse_start(ref, expected):
 @pytest.mark.parametrize("ref", ["rlrounds-policy", "p/three", "p@", "/3", "runs/x/rounds/3/checkpoint@a"])
 def test_parse_start_refuses_anything_else_naming_the_forms(ref):
     from storage.model_versions import LineageError
-    from tasks.start import parse_start
+    from tasks.campaign.start import parse_start
 
     with pytest.raises(LineageError, match="NAME@ALIAS"):
         parse_start(ref)

@@ -11,13 +11,13 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from models.checkpoint import cpu_state_dict
 from models.device import DeviceError
-from tasks import engines
-from tasks.base import run_prepare_base
+from tasks.campaign.base_policy import run_prepare_base
 from tasks.config.filter import FilterConfig
 from tasks.config.prompts import PromptsConfig
 from tasks.config.rollout import RolloutConfig
 from tasks.config.verify import VerifyConfig
-from tasks.rollout import generate_and_verify
+from tasks.rollout.stage import generate_and_verify
+from tasks.serving import engines
 
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="here 'auto' is CUDA: tests/test_gpu.py covers it")
 

@@ -137,7 +137,7 @@ def test_sampling_follows_the_softmax():
 
 def test_a_flow_releases_the_serving_engines_it_built_and_only_those(tiny_policy_dir, monkeypatch):
     """A campaign's engine must not outlive it in a long-lived worker; an outer flow's engine stays."""
-    from tasks import engines
+    from tasks.serving import engines
 
     closed = []
     close = engines.close_engine

@@ -8,8 +8,8 @@ import pytest
 
 from models.engines.replicas import replica_for
 from models.engines.vllm_engine import token_versions
-from tasks.engines import Placement
-from tasks.update import needs_proximal
+from tasks.serving.engines import Placement
+from tasks.train.policy_update import needs_proximal
 
 
 @dataclass
@@ -109,7 +109,7 @@ def test_replica_rank_offsets(workers, expected):
 
 
 def test_offered_weights_are_handed_out_once_and_only_for_their_checkpoint():
-    from tasks import engines
+    from tasks.serving import engines
 
     weights = {"w": object()}
     engines.offer_weights("root/ckpt-r1", weights)
@@ -157,7 +157,7 @@ class _Receiver:
 def test_a_live_engine_takes_offered_weights_only_when_it_can(
     monkeypatch, tiny_policy_dir, from_memory, offered, expected
 ):
-    from tasks import engines
+    from tasks.serving import engines
 
     engine = _Receiver(from_memory)
     monkeypatch.setattr(engines, "make_engine", lambda *a, **k: (engine, None))

@@ -3,10 +3,10 @@ records written before they were typed (a campaign resumed across the change fin
 
 import pytest
 
-from tasks.approval import approval_markdown
-from tasks.evaluate import evaluation_tags, precision_tags, recorded_evaluation
-from tasks.gate import GATE_TAG, PROMOTED_TAG
-from tasks.results import Evaluation, HeldOutScores, Promotion, Published
+from tasks.evaluate.approval import approval_markdown
+from tasks.evaluate.gate import GATE_TAG, PROMOTED_TAG
+from tasks.evaluate.stage import evaluation_tags, precision_tags, recorded_evaluation
+from tasks.round.results import Evaluation, HeldOutScores, Promotion, Published
 
 SCORES = HeldOutScores(
     accuracy=0.75,

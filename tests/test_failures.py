@@ -212,7 +212,7 @@ def test_verify_config_explains_its_limits():
 def own_engines():
     """The rounds below start this process's serving engine on a tiny policy; drop it afterwards so no
     later test finds an engine of another shape."""
-    from tasks.engines import drop_serving_engines
+    from tasks.serving.engines import drop_serving_engines
 
     drop_serving_engines()
     yield
@@ -258,10 +258,10 @@ def test_injected_faults_are_labelled_kept_out_of_the_loss_and_the_round_complet
     from storage.paths import StorageRoot
     from storage.trajectories import read_manifest, read_table
     from tasks.config.verify import KNOWN_VERIFIERS
-    from tasks.context import RoundContext
-    from tasks.filter import run_filter
-    from tasks.rollout import run_rollout
-    from tasks.train import kept_rows, run_train
+    from tasks.filter.stage import run_filter
+    from tasks.rollout.stage import run_rollout
+    from tasks.round.context import RoundContext
+    from tasks.train.stage import kept_rows, run_train
     from tasks.verifiers import registry
     from tasks.verifiers.registry import VerifierSpec
 
@@ -359,8 +359,8 @@ def test_a_round_past_the_infra_failure_limit_fails_loudly_and_stages_nothing(
     from flows.config import RoundConfig
     from storage.paths import StorageRoot
     from tasks.config.verify import KNOWN_VERIFIERS
-    from tasks.context import RoundContext
-    from tasks.rollout import run_rollout
+    from tasks.rollout.stage import run_rollout
+    from tasks.round.context import RoundContext
     from tasks.verifiers import registry
     from tasks.verifiers.registry import VerifierSpec
 

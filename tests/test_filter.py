@@ -5,7 +5,7 @@ import math
 import pytest
 
 from tasks.config.filter import FilterConfig
-from tasks.filter import (
+from tasks.filter.stage import (
     DROP_INCOMPLETE,
     DROP_INFRA,
     DROP_OVERFLOW,
@@ -89,7 +89,7 @@ def test_only_the_first_target_groups_are_kept():
     ],
 )
 def test_length_bias(lengths, kept, expected):
-    from tasks.filter import length_bias
+    from tasks.filter.stage import length_bias
 
     stats = length_bias([{"completion_token_ids": [0] * n, "kept": k} for n, k in zip(lengths, kept)])
     assert {k: stats[k] for k in expected} == pytest.approx(expected)

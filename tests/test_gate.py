@@ -42,8 +42,8 @@ def registry(tmp_path, tiny_policy_dir, monkeypatch):
     from storage.settings import settings
     from storage.tracking import Tracker
     from tasks.config.verify import KNOWN_VERIFIERS
-    from tasks.engines import drop_serving_engines
-    from tasks.publish import lineage_tags
+    from tasks.publish.stage import lineage_tags
+    from tasks.serving.engines import drop_serving_engines
     from tasks.verifiers import registry as verifiers
     from tasks.verifiers.registry import VerifierSpec
 
@@ -65,7 +65,7 @@ def registry(tmp_path, tiny_policy_dir, monkeypatch):
 
 def _round_context(storage: str, run: str, k: int):
     """Round k of the campaign 'gate' (its parent registered nowhere)."""
-    from tasks.context import RoundContext
+    from tasks.round.context import RoundContext
 
     return RoundContext(
         storage=storage,
@@ -85,7 +85,7 @@ def _round_context(storage: str, run: str, k: int):
 
 
 def _evaluate(registry, k: int, mode: str, model_version: str, config: EvaluateConfig | None = None) -> dict:
-    from tasks.evaluate import run_evaluate
+    from tasks.evaluate.stage import run_evaluate
 
     registry["judge"].mode = mode
     ctx = _round_context(registry["storage"], registry["run"], k)
@@ -141,10 +141,10 @@ def test_the_gate_compares_with_the_champion_at_the_same_engine_and_dtype(regist
 
 
 def test_rlrounds_eval_and_replay_never_move_the_alias(registry):
+    from tasks.campaign.replay import ReplayPlan, run_publish_replay
     from tasks.config.train import TrainConfig
-    from tasks.context import RoundContext
-    from tasks.evaluate import run_evaluate_version
-    from tasks.replay import ReplayPlan, run_publish_replay
+    from tasks.evaluate.stage import run_evaluate_version
+    from tasks.round.context import RoundContext
 
     v1, v2 = registry["register"](0), registry["register"](1)
     _evaluate(registry, 0, "half", v1)

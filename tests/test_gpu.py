@@ -17,7 +17,7 @@ from models.engines.greedy import greedy_completions
 from models.engines.types import GroupRequest, SamplingParams
 from models.logprobs import TokenBatch, pack_sequences, token_logprobs
 from models.prompt import Prompt
-from tasks import engines
+from tasks.serving import engines
 
 pytestmark = pytest.mark.gpu
 
@@ -72,7 +72,7 @@ def _assert_same(pushed, reloaded):
 def test_weights_pushed_by_cuda_ipc_serve_as_a_reload_of_their_checkpoint(vllm_base, tmp_path):
     """The in-process engine on the trainer's GPU: the state dict shared by CUDA IPC gives the same greedy
     tokens and logprobs as reloading the checkpoint it was saved to, and the engine was never restarted."""
-    from tasks.engines import close_engine, make_engine, takes_weights_from_memory
+    from tasks.serving.engines import close_engine, make_engine, takes_weights_from_memory
 
     engine, tokenizer = make_engine("vllm", vllm_base, "float32", 0, max_batch=64)
     try:
@@ -95,7 +95,7 @@ def test_weights_pushed_by_cuda_ipc_serve_as_a_reload_of_their_checkpoint(vllm_b
 @pytest.mark.vllm
 def test_publish_serves_offered_weights_from_memory_and_reports_both_costs(vllm_base, tmp_path):
     """serving_engine with weights offered for a checkpoint pushes them (no reload); without, it reloads."""
-    from tasks.engines import drop_serving_engines, serving_engine
+    from tasks.serving.engines import drop_serving_engines, serving_engine
 
     try:
         engine, tokenizer, _ = serving_engine("vllm", vllm_base, "float32", 0, max_batch=64)
@@ -116,7 +116,7 @@ def test_publish_serves_offered_weights_from_memory_and_reports_both_costs(vllm_
 def test_weights_broadcast_over_nccl_to_a_replica_serve_as_a_reload(vllm_base, tmp_path):
     """A vLLM replica (a Ray actor on GPU 0) takes the trainer's tensors (on the last GPU) over NCCL."""
     pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]')")
-    from tasks.engines import Placement, close_engine, make_engine, takes_weights_from_memory
+    from tasks.serving.engines import Placement, close_engine, make_engine, takes_weights_from_memory
 
     last = f"cuda:{torch.cuda.device_count() - 1}"  # Ray hands out GPU 0 first: the trainer keeps its own
     engine, tokenizer = make_engine("vllm", vllm_base, "float32", 0, 64, Placement(replicas=1, ray_address="local"))

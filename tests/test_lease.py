@@ -93,7 +93,7 @@ def test_a_lease_of_a_gone_process_on_this_host_is_broken_at_once(tmp_path):
 
 PREPARE = """
 import json, sys
-from tasks.base import run_prepare_base
+from tasks.campaign.base_policy import run_prepare_base
 built = run_prepare_base(storage=sys.argv[1], base_model="builtin", progress=lambda message: None)
 print(json.dumps({"built": built.built, "checkpoint": built.checkpoint}))
 """

@@ -6,7 +6,7 @@ from pydantic import ValidationError
 
 from flows.config import CampaignConfig, RoundConfig, load_campaign_config
 from tasks.config.publish import PublishConfig, promotion_line
-from tasks.gate import other_line
+from tasks.evaluate.gate import other_line
 
 
 @pytest.mark.parametrize(

@@ -93,6 +93,6 @@ def test_dr_grpo_policy_loss_by_hand():
 
 def test_train_config_offers_dr_grpo():
     from tasks.config.train import TrainConfig
-    from tasks.update import loss_settings
+    from tasks.train.policy_update import loss_settings
 
     assert loss_settings(TrainConfig(aggregation="dr_grpo")).aggregation == "dr_grpo"

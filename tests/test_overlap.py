@@ -11,7 +11,7 @@ from models.checkpoint import load_policy, save_policy
 from models.engines.embedded import EmbeddedEngine
 from models.engines.types import GroupRequest, SamplingParams
 from models.logprobs import logprobs_by_version
-from tasks.overlap import UpdateAtStep
+from tasks.rollout.overlap import UpdateAtStep
 from tests.test_resume import (  # noqa: F401 -- weak_base is a fixture
     TIMING_COLUMNS,
     Campaign,
@@ -87,7 +87,7 @@ def test_the_hand_over_waits_for_the_checkpoint_and_a_cancelled_one_stops_the_ro
     import threading
     import time
 
-    from tasks.overlap import NextPolicy, RolloutCancelled
+    from tasks.rollout.overlap import NextPolicy, RolloutCancelled
 
     handed = NextPolicy(str(tmp_path), str(tmp_path / "ckpt"), 4, after_samples=10)
     assert not handed.due(9) and handed.due(10)
@@ -139,7 +139,7 @@ def test_a_round_that_fails_cancels_the_rollout_waiting_for_its_weights(
     from flows.campaign import rl_campaign
     from flows.config import CampaignConfig
     from storage.paths import StorageRoot
-    from tasks.engines import drop_serving_engines
+    from tasks.serving.engines import drop_serving_engines
 
     class Lost(Exception):
         pass

@@ -12,7 +12,7 @@ from flows.config import CampaignConfig
 from models.builtin.chat_example import GSM_MINI, SYSTEM_PROMPT
 from storage.paths import StorageRoot
 from storage.trajectories import find_version, read_table, rows_of
-from tasks.engines import load_tokenizer
+from tasks.serving.engines import load_tokenizer
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ from flows.config import CampaignConfig  # noqa: E402
 from models.builtin.chat_example import SYSTEM_PROMPT  # noqa: E402
 from storage.paths import StorageRoot  # noqa: E402
 from storage.trajectories import find_version, read_table, rows_of  # noqa: E402
-from tasks.engines import load_tokenizer  # noqa: E402
+from tasks.serving.engines import load_tokenizer  # noqa: E402
 from tests.test_own_model import chat_file  # noqa: E402
 
 
@@ -24,7 +24,7 @@ def small_kv_cache():
     saved = os.environ.get("RLROUNDS_VLLM_ARGS")
     os.environ["RLROUNDS_VLLM_ARGS"] = '{"kv_cache_memory_bytes": 268435456}'
     yield
-    from tasks.engines import drop_serving_engines
+    from tasks.serving.engines import drop_serving_engines
 
     drop_serving_engines()
     if saved is None:

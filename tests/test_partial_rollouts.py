@@ -16,7 +16,7 @@ from tasks.config.filter import FilterConfig
 from tasks.config.prompts import PromptsConfig
 from tasks.config.rollout import RolloutConfig
 from tasks.config.verify import VerifyConfig
-from tasks.rollout import generate_and_verify
+from tasks.rollout.stage import generate_and_verify
 
 # A random policy scores 0 everywhere; keeping zero-variance groups makes every complete group trainable.
 FILTER = FilterConfig(drop_zero_variance=False)

@@ -2,7 +2,7 @@
 report (one short figure per cell, so the artifact page does not run off the side)."""
 
 from flows.progress import artifact_key, rounds_table
-from tasks.report import health_report
+from tasks.round.report import health_report
 
 STATS = {
     "rollout/time_to_trainable_batch_s": 1.5,

@@ -8,7 +8,7 @@ import pytest
 
 from models.builtin import addition
 from tasks.config.prompts import PromptsConfig
-from tasks.prompts import PromptError, evaluation_prompts, load_prompt_file, prompt_stream
+from tasks.prompts.sources import PromptError, evaluation_prompts, load_prompt_file, prompt_stream
 
 
 def test_builtin_stream_is_seeded_and_never_touches_the_held_out_set():

@@ -16,7 +16,7 @@ ray = pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.
 
 from models.engines.embedded import EmbeddedEngine  # noqa: E402
 from models.engines.types import GroupRequest, SamplingParams  # noqa: E402
-from tasks.engines import Placement, build_engine  # noqa: E402
+from tasks.serving.engines import Placement, build_engine  # noqa: E402
 
 PROMPTS = ["1+2=", "34+56=", "7+89=", "99+99=", "5+5=", "12+21=", "8+0=", "40+4="]
 CAMPAIGN = {
@@ -34,7 +34,7 @@ CAMPAIGN = {
 def local_ray():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield
-    from tasks.engines import drop_serving_engines
+    from tasks.serving.engines import drop_serving_engines
 
     drop_serving_engines()  # kill the replica actors before Ray goes
     ray.shutdown()
@@ -42,7 +42,7 @@ def local_ray():
 
 @pytest.fixture(scope="module")
 def router(tiny_policy_dir):
-    from tasks.engines import make_engine
+    from tasks.serving.engines import make_engine
 
     engine, tokenizer = make_engine("embedded", tiny_policy_dir, "float32", 0, max_batch=16, placement=Placement(2))
     yield engine, tokenizer
@@ -147,7 +147,7 @@ def campaign(prefect_harness, seed_builtin_base, tmp_path_factory):
     """The campaign, and what each engine it released served when its flow finished."""
     from flows.campaign import rl_campaign
     from flows.config import CampaignConfig
-    from tasks import engines
+    from tasks.serving import engines
 
     storage = str(tmp_path_factory.mktemp("ray") / "data")
     seed_builtin_base(storage)

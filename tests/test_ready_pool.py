@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import pytest
 
 from models.engines.types import ABORT, GeneratedSample, GroupRequest, SamplingParams, unstarted
-from tasks.ready_pool import PARTIAL, UNVERIFIED, VERIFIED, Group, PoolLimits, ReadyPool
+from tasks.rollout.ready_pool import PARTIAL, UNVERIFIED, VERIFIED, Group, PoolLimits, ReadyPool
 
 
 @dataclass(frozen=True)
@@ -38,15 +38,15 @@ class ScriptedEngine:
                 now = time.time()
                 for s in running + waiting:
                     yield GeneratedSample(
-                        s.group_id,
-                        s.sample_index,
-                        s.prompt_token_ids,
-                        s.token_ids,
-                        s.logprobs,
-                        s.token_policy_versions,
-                        ABORT,
-                        s.started_at,
-                        now,
+                        group_id=s.group_id,
+                        sample_index=s.sample_index,
+                        prompt_token_ids=s.prompt_token_ids,
+                        token_ids=s.token_ids,
+                        logprobs=s.logprobs,
+                        token_policy_versions=s.token_policy_versions,
+                        finish_reason=ABORT,
+                        started_at=s.started_at,
+                        finished_at=now,
                     )
                 return
             while len(running) + len(waiting) < self.max_batch:
@@ -58,15 +58,15 @@ class ScriptedEngine:
                     base = unstarted(group, i, time.time())
                     waiting.append(
                         GeneratedSample(
-                            base.group_id,
-                            i,
-                            base.prompt_token_ids,
-                            list(base.token_ids),
-                            list(base.logprobs),
-                            list(base.token_policy_versions),
-                            ABORT,
-                            base.started_at,
-                            base.finished_at,
+                            group_id=base.group_id,
+                            sample_index=i,
+                            prompt_token_ids=base.prompt_token_ids,
+                            token_ids=list(base.token_ids),
+                            logprobs=list(base.logprobs),
+                            token_policy_versions=list(base.token_policy_versions),
+                            finish_reason=ABORT,
+                            started_at=base.started_at,
+                            finished_at=base.finished_at,
                         )
                     )
             running, waiting = (

@@ -24,8 +24,8 @@ from storage.trajectories import (
 )
 from tasks.config.filter import FilterConfig
 from tasks.config.refilter import RefilterRequest
-from tasks.filter import DROP_ZERO_VARIANCE
-from tasks.refilter import run_refilter
+from tasks.filter.refilter import run_refilter
+from tasks.filter.stage import DROP_ZERO_VARIANCE
 
 # Four groups of four samples. Rewards per group:
 #   g0: 1 0 1 0   g1: 1 1 1 0   g2: 0 0 0 1   g3: 1 1 1 1 (zero variance)

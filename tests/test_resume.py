@@ -15,12 +15,12 @@ import pytest
 from storage.campaigns import CampaignError
 from storage.paths import StorageRoot
 from tasks.config.filter import FilterConfig
-from tasks.context import RoundContext
-from tasks.results import NotInput, TrajectoryVersion
+from tasks.round.context import RoundContext
+from tasks.round.results import NotInput, TrajectoryVersion
 
 
 def _ctx(tmp_path, **fields):
-    from tasks.context import RoundContext
+    from tasks.round.context import RoundContext
 
     base = dict(
         storage=str(tmp_path),
@@ -145,7 +145,7 @@ def test_the_carry_over_a_round_resumes_and_stages_is_part_of_its_keys(tmp_path)
 
 
 def test_crash_points_are_inert_unless_set(monkeypatch):
-    from tasks.faults import CRASH_ENV, crash_point, crash_points
+    from tasks.round.faults import CRASH_ENV, crash_point, crash_points
 
     monkeypatch.delenv(CRASH_ENV, raising=False)
     crash_point("train", 1)  # nothing happens
@@ -167,7 +167,7 @@ def test_a_committed_round_is_found_and_not_filtered_twice(tmp_path):
         write_version,
     )
     from tasks.config.filter import FilterConfig
-    from tasks.filter import run_filter
+    from tasks.filter.stage import run_filter
 
     root = StorageRoot.of(str(tmp_path))
     assert committed_round_version(root, "r1", 1) is None
@@ -459,7 +459,7 @@ def test_rerunning_the_flow_with_the_same_run_id_continues_it(prefect_harness, w
         }
     )
     storage = str(tmp_path / "data")
-    from tasks.engines import drop_serving_engines
+    from tasks.serving.engines import drop_serving_engines
 
     drop_serving_engines()  # another test's engine may serve a policy of another shape in this process
     monkeypatch.setattr(stages, "crash_point", stop_after_train_1)

@@ -37,10 +37,10 @@ class Environment:
 def faulty_round(tmp_path, tiny_policy_dir, monkeypatch):
     from flows.config import RoundConfig
     from tasks.config.verify import KNOWN_VERIFIERS
-    from tasks.context import RoundContext
-    from tasks.engines import drop_serving_engines
-    from tasks.filter import run_filter
-    from tasks.rollout import run_rollout
+    from tasks.filter.stage import run_filter
+    from tasks.rollout.stage import run_rollout
+    from tasks.round.context import RoundContext
+    from tasks.serving.engines import drop_serving_engines
     from tasks.verifiers import registry
     from tasks.verifiers.registry import VerifierSpec
 
@@ -100,7 +100,7 @@ def _rows(storage, version):
 
 def test_reverify_scores_infra_failures_again_into_a_replayable_derived_version(faulty_round, capsys, monkeypatch):
     from flows.cli import main
-    from tasks.train import run_train
+    from tasks.train.stage import run_train
     from tasks.verifiers import registry
     from tasks.verifiers.registry import VerifierSpec
 

@@ -34,9 +34,9 @@ from storage.trajectories import (
     table_bytes,
     write_version,
 )
-from tasks.context import RoundContext
-from tasks.filter import FilterConfig, run_filter
-from tasks.rows import groups_from_carry
+from tasks.filter.stage import FilterConfig, run_filter
+from tasks.rollout.rows import groups_from_carry
+from tasks.round.context import RoundContext
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 

@@ -1,8 +1,8 @@
 """Sharded training (train.workers > 1): two gloo workers in processes of their own make the update one
 process makes, hold about half of its state each, and save checkpoints either can continue from.
 
-The workers here are plain processes (tasks.train_workers.train_in_processes); the Ray worker group that runs them in a
-campaign is tested in tests/test_train_group.py."""
+The workers here are plain processes (tasks.train.worker_group.train_in_processes); the Ray worker group
+that runs them in a campaign is tested in tests/test_train_group.py."""
 
 from __future__ import annotations
 
@@ -51,8 +51,8 @@ def one_process(parent: str, rows: list[dict], config, out: str, device: str = "
     from models.checkpoint import load_policy, save_policy
     from models.device import resolve_device, resolve_precision
     from models.sharded import resident_bytes
-    from tasks.train import load_optimizer, on_cpu, save_optimizer
-    from tasks.update import minibatches, train_policy
+    from tasks.train.policy_update import minibatches, train_policy
+    from tasks.train.stage import load_optimizer, on_cpu, save_optimizer
 
     placed = resolve_device(device)
     model, tokenizer = load_policy(parent)
@@ -70,8 +70,8 @@ def one_process(parent: str, rows: list[dict], config, out: str, device: str = "
 
 
 def two_workers(parent: str, rows: list[dict], config, out: str, device: str = "cpu") -> list:
-    from tasks.train_workers import TrainJob, train_in_processes, write_files
-    from tasks.update import minibatches, sharded_minibatches
+    from tasks.train.policy_update import minibatches, sharded_minibatches
+    from tasks.train.worker_group import TrainJob, train_in_processes, write_files
 
     steps = len(minibatches(rows, config.groups_per_step, config.steps_per_round))
     shares = sharded_minibatches(rows, config.groups_per_step, config.steps_per_round, None, 2)
@@ -122,7 +122,7 @@ def test_checkpoints_continue_across_worker_counts(tiny_policy_dir, tmp_path):
     checkpoint (optimizer.pt) on 2 workers: a second round from either lands where one process lands."""
     from models.checkpoint import load_policy
     from models.sharded import OPTIMIZER_DIR, OPTIMIZER_FILE
-    from tasks.train import load_optimizer
+    from tasks.train.stage import load_optimizer
 
     _, tokenizer = load_policy(tiny_policy_dir)
     config = step_config()

@@ -330,7 +330,7 @@ def test_a_speculative_campaign_stores_the_rows_plain_sampling_stores(tiny_campa
     from storage.paths import StorageRoot
     from storage.tracking import KIND_TAG, ROUND_TAG
     from storage.trajectories import committed_round_version, read_table
-    from tasks.report import health_report
+    from tasks.round.report import health_report
 
     storage = str(tmp_path / "data")
     seed_builtin_base(storage)
@@ -364,9 +364,9 @@ def test_a_speculative_campaign_stores_the_rows_plain_sampling_stores(tiny_campa
     # The stage's own pieces on this store: the history of rounds 1-2 drafts a third round's collection, whose rows
     # are the plain collection's.
     from flows.config import RoundConfig
-    from tasks.engines import serving_engine
-    from tasks.rollout import generate_and_verify
-    from tasks.speculation import RoundSpeculation
+    from tasks.rollout.speculation import RoundSpeculation
+    from tasks.rollout.stage import generate_and_verify
+    from tasks.serving.engines import serving_engine
 
     rc = RoundConfig.model_validate(config["round"])
     base = StorageRoot.of(storage).base_policy("builtin-addition-v2")
@@ -424,8 +424,8 @@ def test_an_engine_that_cannot_verify_drafts_generates_plainly_and_says_why(poli
     from models.engines.types import EngineInfo
     from storage.paths import StorageRoot
     from tasks.config.rollout import SpeculativeConfig
-    from tasks.report import health_report
-    from tasks.speculation import speculation_figures, start_speculation
+    from tasks.rollout.speculation import speculation_figures, start_speculation
+    from tasks.round.report import health_report
 
     model, tok = policy
     root, on = StorageRoot.of(str(tmp_path)), SpeculativeConfig(enabled=True)

@@ -18,7 +18,7 @@ def coin(completion, reference):
 @pytest.fixture
 def coin_verifier(monkeypatch):
     from tasks.config.verify import KNOWN_VERIFIERS
-    from tasks.engines import drop_serving_engines
+    from tasks.serving.engines import drop_serving_engines
     from tasks.verifiers import registry
     from tasks.verifiers.registry import VerifierSpec
 
@@ -30,7 +30,7 @@ def coin_verifier(monkeypatch):
 
 
 def _context(storage, parent, run_id="t", round_index=1):
-    from tasks.context import RoundContext
+    from tasks.round.context import RoundContext
 
     return RoundContext(
         storage=storage,
@@ -62,8 +62,8 @@ def _round_config(train: dict, top_p: float = 1.0, groups: int = 4):
 
 
 def _trajectories(ctx, config) -> str:
-    from tasks.filter import run_filter
-    from tasks.rollout import run_rollout
+    from tasks.filter.stage import run_filter
+    from tasks.rollout.stage import run_rollout
 
     rollout = run_rollout(
         ctx=ctx,
@@ -83,7 +83,7 @@ def _trajectories(ctx, config) -> str:
 
 
 def _train(ctx, uri, config, target):
-    from tasks.train import run_train
+    from tasks.train.stage import run_train
 
     return run_train(
         ctx=ctx,
@@ -222,7 +222,7 @@ def test_with_top_p_the_trainer_scores_the_distribution_the_engine_sampled_from(
     ],
 )
 def test_when_the_proximal_pass_runs(setting, dtype, engine, top_p, expected):
-    from tasks.update import needs_proximal
+    from tasks.train.policy_update import needs_proximal
 
     assert needs_proximal(setting, dtype, [{"name": engine, "dtype": dtype}], [top_p]) is expected
 
@@ -258,7 +258,7 @@ def test_mismatch_is_measured_at_the_sampling_weights(tiny_policy_dir, recompute
     from models.checkpoint import load_policy
     from models.logprobs import pack_sequences, token_logprobs
     from tasks.config.train import TrainConfig
-    from tasks.update import TrainBatch, train_policy
+    from tasks.train.policy_update import TrainBatch, train_policy
 
     model, tokenizer = load_policy(tiny_policy_dir)
     torch.manual_seed(0)
@@ -304,7 +304,7 @@ def test_epochs_repeat_the_rounds_minibatches_in_order(tiny_policy_dir, recomput
 
     from models.checkpoint import load_policy
     from tasks.config.train import TrainConfig
-    from tasks.update import TrainBatch, train_policy
+    from tasks.train.policy_update import TrainBatch, train_policy
 
     model, tokenizer = load_policy(tiny_policy_dir)
     prompt = [tokenizer.bos_token_id, 3, 4, 13]
@@ -334,7 +334,7 @@ def test_updates_stop_once_the_policy_drifts_past_max_kl(tiny_policy_dir):
     from models.checkpoint import load_policy
     from models.logprobs import completion_logprobs, pack_shared
     from tasks.config.train import TrainConfig
-    from tasks.update import TrainBatch, train_policy
+    from tasks.train.policy_update import TrainBatch, train_policy
 
     model, tokenizer = load_policy(tiny_policy_dir)
     torch.manual_seed(0)
@@ -376,7 +376,7 @@ def test_freshness_figures_by_hand():
 
     import torch
 
-    from tasks.update import freshness_stats
+    from tasks.train.policy_update import freshness_stats
 
     # four tokens: lags 0, 0, 1, 3; log weights 0, 0, log 1.5, log 4 (tis_cap 2: only the last is over it)
     tokens = torch.tensor([[0, 0.0], [0, 0.0], [1, math.log(1.5)], [3, math.log(4)]])
@@ -395,7 +395,7 @@ def test_tokens_of_older_versions_are_measured_as_lag(tiny_policy_dir):
 
     from models.checkpoint import load_policy
     from tasks.config.train import TrainConfig
-    from tasks.update import TrainBatch, train_policy
+    from tasks.train.policy_update import TrainBatch, train_policy
 
     model, tokenizer = load_policy(tiny_policy_dir)
     prompts = [[tokenizer.bos_token_id, 3, 4, 13]] * 2
@@ -412,7 +412,7 @@ def test_tokens_of_older_versions_are_measured_as_lag(tiny_policy_dir):
 
 
 def test_the_proximal_pass_runs_only_for_the_minibatches_that_need_it():
-    from tasks.update import TrainBatch, proximal_plan
+    from tasks.train.policy_update import TrainBatch, proximal_plan
 
     def batch(versions, top_p=1.0):
         return TrainBatch([[1]], [[2] * len(versions)], [[0.0] * len(versions)], [1.0], [versions], [top_p], 4)
@@ -432,7 +432,7 @@ def test_shuffled_minibatches_depend_on_the_rows_and_the_seed_not_their_stored_o
     others for another seed; stored order keeps the groups as they finished."""
     import random
 
-    from tasks.update import minibatches
+    from tasks.train.policy_update import minibatches
 
     rows = [
         {

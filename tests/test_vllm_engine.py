@@ -44,7 +44,7 @@ def small_kv_cache():
     saved = os.environ.get("RLROUNDS_VLLM_ARGS")
     os.environ["RLROUNDS_VLLM_ARGS"] = '{"kv_cache_memory_bytes": 268435456}'
     yield
-    from tasks.engines import drop_serving_engines
+    from tasks.serving.engines import drop_serving_engines
 
     drop_serving_engines()  # stop the engine-core processes before the next module
     if saved is None:
@@ -63,7 +63,7 @@ def storage(seed_builtin_base, tmp_path_factory) -> tuple[str, str]:
 @pytest.fixture(scope="module")
 def served(storage):
     """The float32 vLLM serving engine on the built-in base, version 0 (the round reuses it)."""
-    from tasks.engines import serving_engine
+    from tasks.serving.engines import serving_engine
 
     engine, tokenizer, pause = serving_engine("vllm", storage[1], "float32", 0, max_batch=256)
     assert pause == 0.0
@@ -167,7 +167,7 @@ def test_stopping_the_feed_aborts_in_flight_samples_and_the_engine_serves_on(ser
 
 def test_weights_are_replaced_in_place_and_samples_record_the_new_version(served, storage, tmp_path):
     from models.checkpoint import save_policy
-    from tasks.engines import serving_engine
+    from tasks.serving.engines import serving_engine
 
     engine, tok = served
     core = engine.llm.llm_engine.engine_core
@@ -197,7 +197,7 @@ def test_weights_are_replaced_in_place_and_samples_record_the_new_version(served
 
 def test_stopped_requests_come_back_partial_and_resume_under_new_weights(served, storage, tmp_path):
     from models.checkpoint import save_policy
-    from tasks.engines import serving_engine
+    from tasks.serving.engines import serving_engine
 
     engine, tok = served
     # ignore_eos: every sample runs 12 tokens, so all are in flight at the stop on any CPU (the base answers
@@ -257,8 +257,8 @@ def test_weights_updated_mid_generation_label_every_token_with_its_version(serve
     as prompt + prefix, so every token's logprob is its own version's; 'keep' reloads under them."""
     from models.checkpoint import save_policy
     from models.logprobs import logprobs_by_version
-    from tasks.engines import serving_engine
-    from tasks.overlap import UpdateAtStep
+    from tasks.rollout.overlap import UpdateAtStep
+    from tasks.serving.engines import serving_engine
 
     engine, tok = served
     policies = {}

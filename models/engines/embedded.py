@@ -67,16 +67,16 @@ class _Sequence:
     def sample(self, reason: str, now: float) -> GeneratedSample:
         gen_s = self.gen_s + (now - self.segment_at if self.segment_at else 0.0)
         return GeneratedSample(
-            self.group.group_id,
-            self.sample_index,
-            self.group.prompt_token_ids,
-            self.tokens,
-            self.logprobs,
-            self.versions,
-            reason,
-            self.started_at or now,
-            now,
-            gen_s,
+            group_id=self.group.group_id,
+            sample_index=self.sample_index,
+            prompt_token_ids=self.group.prompt_token_ids,
+            token_ids=self.tokens,
+            logprobs=self.logprobs,
+            token_policy_versions=self.versions,
+            finish_reason=reason,
+            started_at=self.started_at or now,
+            finished_at=now,
+            gen_s=gen_s,
         )
 
 

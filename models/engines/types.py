@@ -57,7 +57,7 @@ class SamplingParams:
         return {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed, "max_tokens": self.max_tokens}
 
 
-@dataclass
+@dataclass(kw_only=True)
 class GeneratedSample:
     group_id: str
     sample_index: int
@@ -117,7 +117,18 @@ def unstarted(group: GroupRequest, sample_index: int, now: float) -> GeneratedSa
     carried = group.prefix(sample_index)
     if carried is not None:
         return carried
-    return GeneratedSample(group.group_id, sample_index, group.prompt_token_ids, [], [], [], ABORT, now, now, 0.0)
+    return GeneratedSample(
+        group_id=group.group_id,
+        sample_index=sample_index,
+        prompt_token_ids=group.prompt_token_ids,
+        token_ids=[],
+        logprobs=[],
+        token_policy_versions=[],
+        finish_reason=ABORT,
+        started_at=now,
+        finished_at=now,
+        gen_s=0.0,
+    )
 
 
 class WeightUpdate(Protocol):

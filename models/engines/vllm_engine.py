@@ -370,28 +370,28 @@ class VLLMEngine(RolloutEngine):
         prefix = flight.prefix
         if prefix is None:
             return GeneratedSample(
-                flight.group.group_id,
-                flight.sample_index,
-                flight.group.prompt_token_ids,
-                tokens,
-                logprobs,
-                versions,
-                reason,
-                flight.started_at,
-                now,
-                now - flight.started_at,
+                group_id=flight.group.group_id,
+                sample_index=flight.sample_index,
+                prompt_token_ids=flight.group.prompt_token_ids,
+                token_ids=tokens,
+                logprobs=logprobs,
+                token_policy_versions=versions,
+                finish_reason=reason,
+                started_at=flight.started_at,
+                finished_at=now,
+                gen_s=now - flight.started_at,
             )
         return GeneratedSample(
-            flight.group.group_id,
-            flight.sample_index,
-            flight.group.prompt_token_ids,
-            list(prefix.token_ids) + tokens,
-            list(prefix.logprobs) + logprobs,
-            list(prefix.token_policy_versions) + versions,
-            reason,
-            prefix.started_at,
-            now,
-            prefix.gen_s + now - flight.started_at,
+            group_id=flight.group.group_id,
+            sample_index=flight.sample_index,
+            prompt_token_ids=flight.group.prompt_token_ids,
+            token_ids=list(prefix.token_ids) + tokens,
+            logprobs=list(prefix.logprobs) + logprobs,
+            token_policy_versions=list(prefix.token_policy_versions) + versions,
+            finish_reason=reason,
+            started_at=prefix.started_at,
+            finished_at=now,
+            gen_s=prefix.gen_s + now - flight.started_at,
         )
 
     def _partial(self, flight: _InFlight, now: float) -> GeneratedSample:
@@ -399,16 +399,16 @@ class VLLMEngine(RolloutEngine):
         if flight.last is None:
             base = unstarted(flight.group, flight.sample_index, now)
             return GeneratedSample(
-                base.group_id,
-                base.sample_index,
-                base.prompt_token_ids,
-                list(base.token_ids),
-                list(base.logprobs),
-                list(base.token_policy_versions),
-                ABORT,
-                base.started_at if flight.prefix else flight.started_at,
-                now,
-                base.gen_s + now - flight.started_at,
+                group_id=base.group_id,
+                sample_index=base.sample_index,
+                prompt_token_ids=base.prompt_token_ids,
+                token_ids=list(base.token_ids),
+                logprobs=list(base.logprobs),
+                token_policy_versions=list(base.token_policy_versions),
+                finish_reason=ABORT,
+                started_at=base.started_at if flight.prefix else flight.started_at,
+                finished_at=now,
+                gen_s=base.gen_s + now - flight.started_at,
             )
         return self._sample(flight.last, flight, ABORT, now)
 

@@ -19,7 +19,7 @@ class PromptsConfig(Config):
     task: str = "addition"
     """Task name recorded on every row; also selects the verifier unless verify.verifier is set."""
     solved_weight: float = Field(0.2, gt=0.0, le=1.0)
-    """Curriculum (tasks/curriculum.py): the probability of drawing a prompt whose most recent group, within the
+    """Curriculum (tasks/rollout/curriculum.py): the probability of drawing a prompt whose most recent group, within the
     last history_rounds rounds, fully succeeded (such groups mostly have zero advantage). 1 draws every prompt. Rows
     record it as prompt_weight."""
     history_rounds: int = Field(16, ge=1)

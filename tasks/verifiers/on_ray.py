@@ -34,7 +34,7 @@ def _remote():
 
 
 class RayVerifier:
-    """A verifier whose calls run as Ray tasks (``ray.init`` must have run: tasks.engines.connect_ray)."""
+    """A verifier whose calls run as Ray tasks (``ray.init`` must have run: tasks.serving.engines.connect_ray)."""
 
     def __init__(self, inner: Verifier) -> None:
         self.inner = inner

@@ -7,7 +7,7 @@ judges the groups holding them again. Both commit derived versions that replay c
 
 The predicate selects rows (DuckDB over the verified parts, storage/query.py). Without regrouping the
 selected rows keep their advantages and kept/drop decisions, exactly as the round stored them. With
-regrouping they are judged again by the round's own rules (tasks/filter.py): advantages are
+regrouping they are judged again by the round's own rules (tasks/filter/stage.py): advantages are
 recomputed over the samples left in each group, and a group whose survivors all scored the same is
 dropped as zero-variance.
 
@@ -28,8 +28,8 @@ from storage.query import select_rows
 from storage.trajectories import Manifest, find_version, parent_chain, read_table, rows_to_table, write_version
 from tasks.config.filter import FilterConfig
 from tasks.config.refilter import RefilterRequest, ReverifyRequest
-from tasks.filter import DECISION_INPUTS, apply_decisions, decide, filter_stats, with_decisions
-from tasks.results import Reverified, TrajectoryVersion
+from tasks.filter.stage import DECISION_INPUTS, apply_decisions, decide, filter_stats, with_decisions
+from tasks.round.results import Reverified, TrajectoryVersion
 from tasks.verifiers.pool import VerifierPool
 from tasks.verifiers.registry import get_verifier, verifier_version
 

@@ -1,8 +1,8 @@
 """The train stage: a round's kept samples, trained from the parent checkpoint into a committed one.
 
-The update itself (minibatches, the PPO-style steps, the figures they log) is tasks/update.py. This
+The update itself (minibatches, the PPO-style steps, the figures they log) is tasks/train/policy_update.py. This
 stage reads the round's kept rows, trains them in this process (``train.workers`` 1) or on a worker
-group (tasks/train_workers.py), and commits the new checkpoint with the optimizer state, so the next
+group (tasks/train/worker_group.py), and commits the new checkpoint with the optimizer state, so the next
 round (or a replay) continues exactly.
 """
 
@@ -24,12 +24,12 @@ from storage import checkpoints
 from storage.paths import StorageRoot
 from storage.trajectories import read_manifest, read_table
 from tasks.config.train import TrainConfig
-from tasks.context import RoundContext
-from tasks.engines import offer_weights
-from tasks.report import report_progress
-from tasks.results import NotInput, Trained
-from tasks.train_workers import TrainJob, worker_group, write_files
-from tasks.update import TrainBatch, minibatches, proximal_plan, sharded_minibatches, train_policy
+from tasks.round.context import RoundContext
+from tasks.round.report import report_progress
+from tasks.round.results import NotInput, Trained
+from tasks.serving.engines import offer_weights
+from tasks.train.policy_update import TrainBatch, minibatches, proximal_plan, sharded_minibatches, train_policy
+from tasks.train.worker_group import TrainJob, worker_group, write_files
 
 
 def save_optimizer(state: dict, directory: str) -> None:
@@ -84,7 +84,7 @@ def run_train(
     ``temperature`` and ``rollout_dtype``: what the behaviour logprobs were recorded under (the loss
     recomputes logprobs at that temperature; the dtype decides whether the proximal pass is needed).
     ``device``: the round's device setting; ``config.workers`` > 1 trains on a worker group
-    (tasks/train_workers.py) on ``ray_address``'s cluster."""
+    (tasks/train/worker_group.py) on ``ray_address``'s cluster."""
     root = StorageRoot.of(ctx.storage)
     target = target_checkpoint or root.checkpoint(ctx.run_id, ctx.round)
     if checkpoints.is_committed(root, target):  # resumed after the commit: never train twice
@@ -108,7 +108,7 @@ def run_train(
     )
     if progress is None:
         progress = report_progress
-    started_at = time.time()  # the round's straggler wait ends here (tasks/report.py)
+    started_at = time.time()  # the round's straggler wait ends here (tasks/round/report.py)
     with tempfile.TemporaryDirectory(prefix="rlrounds-ckpt-") as tmp:
         if config.workers == 1:
             placed = resolve_device(device)

@@ -2,10 +2,10 @@
 
 A checkpoint takes the alias only when its serving accuracy is not below the champion's at the same
 engine and dtype. A champion never scored there is scored first (the caller's ``champion_accuracy``,
-tasks/evaluate.py), so the comparison is always like with like; a champion of another promotion line
+tasks/evaluate/stage.py), so the comparison is always like with like; a champion of another promotion line
 (another task or held-out set, the ``line`` tag) is never compared with, and the round fails naming
 the fix. With ``evaluate.approval: required`` a checkpoint that passes is not promoted here: a person
-decides (tasks/approval.py). Replays and ``rlrounds eval`` never come here, so never move the alias.
+decides (tasks/evaluate/approval.py). Replays and ``rlrounds eval`` never come here, so never move the alias.
 
 The verdict is recorded on the model version, promotion last: a version carrying ``eval.promoted``
 has been gated, and a resumed round reads the verdict back instead of gating again.
@@ -19,7 +19,7 @@ from storage.files import lease
 from storage.model_versions import LineageError, parse_model_version
 from storage.paths import StorageRoot
 from storage.tracking import LINE_TAG, Tracker
-from tasks.results import Evaluation, HeldOutScores
+from tasks.round.results import Evaluation, HeldOutScores
 
 PROMOTED_TAG = "eval.promoted"  # written last: a version carrying it has been evaluated and gated
 GATE_TAG = "eval.gate_passed"  # its accuracy was not below the champion's (promoted unless approval is required)

@@ -7,7 +7,7 @@ logged. Accuracy is successes over every held-out prompt: a prompt the verifier 
 (infra_failure) is not a success, so a flaky environment can only lower it, never inflate it.
 
 The round's evaluate stage (``run_evaluate``) scores its checkpoint here and hands the scores to the
-champion gate (tasks/gate.py), which decides whether the checkpoint takes the champion alias. The embedded
+champion gate (tasks/evaluate/gate.py), which decides whether the checkpoint takes the champion alias. The embedded
 engine scores on the round's ``device``; greedy answers there may differ from the CPU's in a near tie, as
 they may between dtypes, so like the dtype the device is what the policy is served on. Replays
 and ``rlrounds eval`` (``run_evaluate_version``) score without the gate, so never move the alias.
@@ -29,12 +29,12 @@ from storage.tracking import Tracker, checkpoint_uri
 from tasks.config.evaluate import EvaluateConfig
 from tasks.config.prompts import PromptsConfig
 from tasks.config.verify import VerifyConfig
-from tasks.context import RoundContext
-from tasks.describe import describe_version
-from tasks.engines import close_engine, make_engine, serving_engine
-from tasks.gate import PROMOTED_TAG, champion_gate, recorded_verdict
-from tasks.prompts import evaluation_prompts
-from tasks.results import Evaluation, HeldOutScores, NotInput, VersionEvaluation
+from tasks.evaluate.gate import PROMOTED_TAG, champion_gate, recorded_verdict
+from tasks.prompts.sources import evaluation_prompts
+from tasks.publish.describe import describe_version
+from tasks.round.context import RoundContext
+from tasks.round.results import Evaluation, HeldOutScores, NotInput, VersionEvaluation
+from tasks.serving.engines import close_engine, make_engine, serving_engine
 from tasks.verifiers.outcome import Outcome, Verifier
 from tasks.verifiers.pool import run_verifier
 from tasks.verifiers.registry import get_verifier
@@ -82,7 +82,7 @@ def evaluate_checkpoint(
 
     With ``policy_version`` the live serving engine of that kind and dtype is used (weights loaded in
     place if it serves another checkpoint): a vLLM engine is started once per campaign, not per round.
-    ``role``: which live engine (tasks/engines.py; overlap mode evaluates on its own).
+    ``role``: which live engine (tasks/serving/engines.py; overlap mode evaluates on its own).
     Without it, a fresh engine is made and released after scoring. ``device``: where embedded engines score.
     """
     verifier = scoring_verifier(verify)
@@ -173,7 +173,7 @@ def run_evaluate(
         str, NotInput("where it computes: a round resumed on another machine is not scored again")
     ] = "auto",
 ) -> Evaluation:
-    """Score the checkpoint, record it on the model version, apply the champion gate (tasks/gate.py).
+    """Score the checkpoint, record it on the model version, apply the champion gate (tasks/evaluate/gate.py).
 
     Idempotent: a version already carrying ``eval.promoted`` returns its recorded evaluation; a crash
     before that tag re-runs the (greedy, deterministic) evaluation and reaches the same gate decision."""
@@ -209,7 +209,7 @@ def run_evaluate(
         scores,
         recorded,
         alias=config.champion_alias,
-        approval_required=config.approval == "required",  # then a person decides (tasks/approval.py)
+        approval_required=config.approval == "required",  # then a person decides (tasks/evaluate/approval.py)
         champion_accuracy=lambda champion: champion_accuracy(
             tracker, root, name, champion, scores, held_out, verify, config, train_dtype, device
         ),

@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 from models.engines.types import GeneratedSample, GroupRequest, SamplingParams
 from models.prompt import Prompt
 from storage.trajectories import TrajectoryRow
-from tasks.ready_pool import PARTIAL, VERIFIED, Group, Slot
+from tasks.rollout.ready_pool import PARTIAL, VERIFIED, Group, Slot
 from tasks.verifiers.outcome import Outcome, Verdict
 
 
@@ -96,16 +96,16 @@ def groups_from_carry(rows: list[TrajectoryRow], stop: tuple[str, ...] = ()) -> 
         slots = []
         for row in members:
             sample = GeneratedSample(
-                group_id,
-                row.sample_index,
-                request.prompt_token_ids,
-                list(row.completion_token_ids),
-                list(row.rollout_logprobs),
-                list(row.token_policy_versions),
-                row.finish_reason,
-                _epoch(row.started_at),
-                _epoch(row.finished_at),
-                row.gen_latency_s or 0.0,
+                group_id=group_id,
+                sample_index=row.sample_index,
+                prompt_token_ids=request.prompt_token_ids,
+                token_ids=list(row.completion_token_ids),
+                logprobs=list(row.rollout_logprobs),
+                token_policy_versions=list(row.token_policy_versions),
+                finish_reason=row.finish_reason,
+                started_at=_epoch(row.started_at),
+                finished_at=_epoch(row.finished_at),
+                gen_s=row.gen_latency_s or 0.0,
             )
             if row.carry_state == PARTIAL:
                 slots.append(Slot(row.sample_index, carried_partial=sample))

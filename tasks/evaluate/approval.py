@@ -14,10 +14,10 @@ from storage.paths import StorageRoot
 from storage.settings import settings
 from storage.tracking import Tracker
 from tasks.config.evaluate import EvaluateConfig
-from tasks.context import RoundContext
-from tasks.describe import describe_version
-from tasks.gate import PROMOTED_TAG
-from tasks.results import Evaluation, Promotion
+from tasks.evaluate.gate import PROMOTED_TAG
+from tasks.publish.describe import describe_version
+from tasks.round.context import RoundContext
+from tasks.round.results import Evaluation, Promotion
 
 APPROVAL_TAG = "eval.approval"  # approved | rejected | timed_out
 

@@ -4,7 +4,7 @@ The round's trainable groups are split into ``steps_per_round`` minibatches of `
 groups, in a seeded shuffle of their ids (``minibatch_order``), one optimizer step each. Later
 minibatches are a few steps stale relative to the weights that sampled them; the PPO ratio and its
 clip account for that, and the staleness is logged. ``train_policy`` runs the steps in one process, or
-as one worker's share of each minibatch in a group (``Collective``; tasks/train_workers.py).
+as one worker's share of each minibatch in a group (``Collective``; tasks/train/worker_group.py).
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def _group_key(seed: int, group_id: str) -> bytes:
 
 class Collective:
     """How one trainer's share of a step's figures becomes the step's. In one process the share is the
-    whole and every figure passes through untouched; a worker of a group (tasks/train_workers.py) sums,
+    whole and every figure passes through untouched; a worker of a group (tasks/train/worker_group.py) sums,
     maxes and gathers across the group."""
 
     world, rank = 1, 0

@@ -22,11 +22,11 @@ from tasks.config.evaluate import EvaluateConfig
 from tasks.config.prompts import PromptsConfig
 from tasks.config.publish import PublishConfig
 from tasks.config.verify import VerifyConfig
-from tasks.context import RoundContext
-from tasks.evaluate import run_evaluate
-from tasks.publish import lineage_tags
-from tasks.report import report_progress
-from tasks.results import BasePolicy, NotInput, Published
+from tasks.evaluate.stage import run_evaluate
+from tasks.publish.stage import lineage_tags
+from tasks.round.context import RoundContext
+from tasks.round.report import report_progress
+from tasks.round.results import BasePolicy, NotInput, Published
 
 BUILTIN = "builtin"  # the addition base; every built-in base is listed in models.builtin.BUILTINS
 BASE_BUILD_LEASE_S = 4 * 3600.0

@@ -4,7 +4,7 @@ live rollout engine serve it.
 Two costs are measured apart: ``publish/latency_s`` (checkpoint committed -> registered -> engine
 serving it) and ``publish/engine_pause_s`` (the part of that during which the engine could not serve).
 On GPUs a vLLM engine takes the weights from the trainer's memory when the trainer offered them
-(``tasks.engines.offer_weights``), not from the checkpoint files; ``publish/weights_from_memory`` says
+(``tasks.serving.engines.offer_weights``), not from the checkpoint files; ``publish/weights_from_memory`` says
 which (1 or 0). The checkpoint is written and registered either way: lineage reads it.
 """
 
@@ -18,9 +18,9 @@ from storage.paths import StorageRoot
 from storage.settings import settings
 from storage.tracking import LINE_TAG, Tracker
 from tasks.config.publish import PublishConfig
-from tasks.context import RoundContext
-from tasks.engines import offered, serving_engine, takes_weights_from_memory
-from tasks.results import NotInput, Published
+from tasks.round.context import RoundContext
+from tasks.round.results import NotInput, Published
+from tasks.serving.engines import offered, serving_engine, takes_weights_from_memory
 
 
 def lineage_tags(ctx: RoundContext, *, trajectory_version: str, line: str) -> dict[str, str]:

@@ -27,8 +27,8 @@ from storage.trajectories import (
     write_version,
 )
 from tasks.config.filter import FilterConfig
-from tasks.context import RoundContext
-from tasks.results import NotInput, Stats, TrajectoryVersion
+from tasks.round.context import RoundContext
+from tasks.round.results import NotInput, Stats, TrajectoryVersion
 from tasks.verifiers.outcome import Outcome
 
 DROP_INFRA = "infra_failure"  # the environment failed: never a zero reward in the gradient

@@ -2,7 +2,7 @@
 
 The headline figure is *time to a trainable batch*: the round needs ``target_groups`` complete groups
 that will survive filtering (not every group generated), so prompts are fed to the engine lazily and
-feeding stops the moment enough trainable groups are verified (tasks/ready_pool.py). With partial
+feeding stops the moment enough trainable groups are verified (tasks/rollout/ready_pool.py). With partial
 rollouts the samples still generating are then stopped, not waited for: they and the samples still
 waiting on the environment are the round's *carry-over*, committed with its trajectory version and
 resumed first by the next round under its newer policy. Complete groups that arrive after the batch
@@ -41,16 +41,16 @@ from tasks.config.filter import FilterConfig
 from tasks.config.prompts import PromptsConfig
 from tasks.config.rollout import RolloutConfig
 from tasks.config.verify import VerifyConfig
-from tasks.context import RoundContext
-from tasks.curriculum import admitted, solved_prompts
-from tasks.engines import Placement, connect_ray, serving_engine
-from tasks.filter import group_is_trainable
-from tasks.overlap import NextPolicy, Overlapped, RolloutCancelled
-from tasks.prompts import PromptError, prompt_stream
-from tasks.ready_pool import PARTIAL, Group, Harvest, PoolLimits, ReadyPool
-from tasks.results import NotInput, Staged
-from tasks.rows import Drawn, groups_from_carry, sample_row
-from tasks.speculation import RoundSpeculation
+from tasks.filter.stage import group_is_trainable
+from tasks.prompts.sources import PromptError, prompt_stream
+from tasks.rollout.curriculum import admitted, solved_prompts
+from tasks.rollout.overlap import NextPolicy, Overlapped, RolloutCancelled
+from tasks.rollout.ready_pool import PARTIAL, Group, Harvest, PoolLimits, ReadyPool
+from tasks.rollout.rows import Drawn, groups_from_carry, sample_row
+from tasks.rollout.speculation import RoundSpeculation
+from tasks.round.context import RoundContext
+from tasks.round.results import NotInput, Staged
+from tasks.serving.engines import Placement, connect_ray, serving_engine
 from tasks.verifiers.outcome import Outcome
 from tasks.verifiers.pool import VerifierPool, check_infra_failure_rate
 from tasks.verifiers.registry import rollout_verifier, rollout_verifier_version, scores_inline
@@ -86,7 +86,7 @@ def generate_and_verify(
     """One round's collection. ``carried_rows``: the previous round's carry-over, resumed first.
     ``policy_version``: the policy being trained on these rows (filter.max_staleness is judged against
     it; None: not). ``solved``: prompt ids the curriculum draws with probability ``prompts.solved_weight``.
-    ``next_policy``: overlap mode, the weights the engine switches to mid-way (tasks/overlap.py).
+    ``next_policy``: overlap mode, the weights the engine switches to mid-way (tasks/rollout/overlap.py).
 
     ``max_context``: the model's positions; a prompt that cannot fit with rollout.max_tokens is an
     input error, raised before it is generated (the engine would fail deep inside, or silently wrap)."""
@@ -355,7 +355,7 @@ def run_rollout(
     the previous round's (``carry_source``); None resumes nothing. The round's own unfinished samples
     are staged beside its rows (``Staged.carryover``) for filter to commit with its version.
     ``overlap``: start from ``overlap.start_checkpoint`` instead, while the parent is still training,
-    and switch to the parent mid-way (tasks/overlap.py). ``device``: where an embedded engine generates."""
+    and switch to the parent mid-way (tasks/rollout/overlap.py). ``device``: where an embedded engine generates."""
     root = StorageRoot.of(ctx.storage)
     committed = committed_round_version(root, ctx.run_id, ctx.round)
     if committed is not None:  # resumed after filter committed this round: generating again could only differ

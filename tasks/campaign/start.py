@@ -13,7 +13,7 @@ from storage.model_versions import LineageError
 from storage.paths import StorageRoot
 from storage.settings import settings
 from storage.tracking import Tracker
-from tasks.results import StageResult
+from tasks.round.results import StageResult
 
 BASE = "base"
 _REF = re.compile(r"^(?P<name>[^/@']+)(?:@(?P<alias>[A-Za-z0-9_-]+)|/(?P<version>\d+))$")

@@ -7,8 +7,8 @@
 The workers sit in a placement group (a GPU each on GPUs, a CPU each otherwise), join one
 ``torch.distributed`` process group (NCCL on CUDA, gloo on CPU) and shard the policy with FSDP2
 (models/sharded.py). Each round they load the parent checkpoint, which the driver ships through Ray's
-object store (no filesystem is shared between nodes), and run ``tasks.train.train_policy`` on their
-shares of every minibatch (``tasks.train.sharded_minibatches``): whole groups, with the minibatch's totals
+object store (no filesystem is shared between nodes), and run ``tasks.train.policy_update.train_policy`` on their
+shares of every minibatch (``tasks.train.policy_update.sharded_minibatches``): whole groups, with the minibatch's totals
 as the loss's denominators, so N workers make the update one would. Rank 0 gathers the weights into the
 Hugging Face directory; every rank writes its shard of the optimizer state with DCP.
 
@@ -47,8 +47,8 @@ from models.sharded import (
     shard_policy,
 )
 from tasks.config.train import TrainConfig
-from tasks.engines import Placement, connect_ray
-from tasks.update import Collective, TrainBatch, schedule, train_policy
+from tasks.serving.engines import Placement, connect_ray
+from tasks.train.policy_update import Collective, TrainBatch, schedule, train_policy
 
 COLLECTIVE_TIMEOUT_S = 300
 """A collective that waits longer than this on a peer fails (a hung worker, not a dead one: Ray reports a

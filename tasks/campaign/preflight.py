@@ -27,8 +27,8 @@ from storage import checkpoints
 from storage.paths import StorageRoot
 from storage.settings import settings
 from storage.tracking import Tracker
-from tasks.prompts import PromptError, evaluation_prompts, load_prompt_file
-from tasks.results import Checked
+from tasks.prompts.sources import PromptError, evaluation_prompts, load_prompt_file
+from tasks.round.results import Checked
 
 
 def base_tokenizer_and_context(storage: str, base_model: str) -> tuple[Any, int | None]:

@@ -31,12 +31,12 @@ from tasks.config.evaluate import EvaluateConfig
 from tasks.config.prompts import PromptsConfig
 from tasks.config.train import TrainConfig
 from tasks.config.verify import VerifyConfig
-from tasks.context import RoundContext
-from tasks.describe import describe_version
-from tasks.evaluate import evaluate_checkpoint, evaluation_tags
-from tasks.prompts import evaluation_prompts
-from tasks.publish import lineage_tags
-from tasks.results import Published, StageResult, Stats
+from tasks.evaluate.stage import evaluate_checkpoint, evaluation_tags
+from tasks.prompts.sources import evaluation_prompts
+from tasks.publish.describe import describe_version
+from tasks.publish.stage import lineage_tags
+from tasks.round.context import RoundContext
+from tasks.round.results import Published, StageResult, Stats
 
 REPLAY_KIND = "replay"
 

@@ -1,0 +1,1 @@
+"""Rollout engines: how one is built and placed, and the live engines a campaign keeps serving across rounds."""

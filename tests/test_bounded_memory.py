@@ -95,3 +95,99 @@ def test_a_head_with_a_logit_transform_is_scored_whole():
     assert plain_head(model)
     model.config.final_logit_softcapping = 30.0
     assert not plain_head(model)
+
+
+def train_once(parent: str, rows: list[dict], **train) -> tuple[dict, dict]:
+    """One round's update of ``rows`` in this process from ``parent``: (stats, the new weights)."""
+    from models.checkpoint import load_policy
+    from tasks.config.train import TrainConfig
+    from tasks.train.policy_update import minibatches, train_policy
+
+    config = TrainConfig(
+        **{"groups_per_step": 2, "steps_per_round": 3, "epochs": 1, "max_kl": None, "learning_rate": 1e-3, **train}
+    )
+    model, tokenizer = load_policy(parent)
+    batches = minibatches(rows, config.groups_per_step, config.steps_per_round)
+    _, stats = train_policy(model, tokenizer.pad_token_id, batches, config, 1.0, None, 0, [True] * len(batches))
+    return stats, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_close_weights(a: dict, b: dict, atol: float) -> None:
+    worst = max(float((a[k] - b[k]).abs().max()) for k in a)
+    assert worst < atol, f"weights {worst:.2e} apart (max abs)"
+
+
+@pytest.mark.parametrize("aggregation", ["token", "sequence", "dr_grpo"])
+def test_micro_batches_make_the_unsplit_update(tiny_policy_dir, aggregation):
+    """Minibatches of up to 8 samples split into micro-batches of at most 30 padded tokens (2 to 5 each)
+    accumulate to the unsplit update: weights within 1e-5 after three Adam steps (the bound the worker group
+    meets), the same loss and figures."""
+    from models.checkpoint import load_policy
+    from tasks.config.train import TrainConfig
+    from tasks.train.policy_update import microbatches, minibatches
+    from tests.test_sharded_training import synthetic_rows
+
+    rows = synthetic_rows(load_policy(tiny_policy_dir)[1])
+    config = TrainConfig(groups_per_step=2, steps_per_round=3, max_tokens_per_microbatch=30)
+    parts = [microbatches(b, config) for b in minibatches(rows, 2, 3)]
+    assert [len(p) for p in parts] == [5, 4, 2]  # the last minibatch holds one group
+    assert all(sum(len(m.advantages) for m in p) == len(b.advantages) for p, b in zip(parts, minibatches(rows, 2, 3)))
+
+    whole, whole_weights = train_once(tiny_policy_dir, rows, aggregation=aggregation)
+    split, split_weights = train_once(tiny_policy_dir, rows, aggregation=aggregation, max_tokens_per_microbatch=30)
+    assert_close_weights(whole_weights, split_weights, 1e-5)
+    for key in ("train/loss", "train/clip_fraction", "train/grad_norm", "train/mismatch_mean_abs", "train/drift_kl"):
+        assert split[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-7), key
+    assert split["train/samples"] == whole["train/samples"] and split["train/steps"] == whole["train/steps"] == 3
+
+
+def test_checkpointed_layers_give_the_gradients_of_kept_activations():
+    """Recomputing the decoder layers in the backward pass gives every parameter's gradient of keeping their
+    activations (sequence scoring both ways), and the layers' children stay in eval mode (no dropout)."""
+    from models.logprobs import sequence_logprobs
+    from models.memory import checkpoint_layers, checkpointed
+
+    batch = shared_batch(3000)
+    mask = batch.completion_mask.bool()
+    grads = []
+    for on in (False, True):
+        model = qwen_shaped(3000)
+        model.config.attention_dropout = 0.5  # would change every number if it ran
+        if on:
+            assert checkpoint_layers(model) == 2 and checkpointed(model)
+            assert not any(m.training for layer in model.model.layers for m in layer.children())
+        scores = sequence_logprobs(model, batch, 1.0)
+        grads.append(torch.autograd.grad((scores * mask).sum(), list(model.parameters())))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+def test_a_checkpointed_round_makes_the_update_of_a_plain_one(tiny_policy_dir):
+    """train.gradient_checkpointing (with micro-batches too) lands within 1e-5 of the plain update."""
+    from models.checkpoint import load_policy
+    from tests.test_sharded_training import synthetic_rows
+
+    rows = synthetic_rows(load_policy(tiny_policy_dir)[1])
+    plain, plain_weights = train_once(tiny_policy_dir, rows)
+    for extra in ({}, {"max_tokens_per_microbatch": 30}):
+        stats, weights = train_once(tiny_policy_dir, rows, gradient_checkpointing=True, **extra)
+        assert_close_weights(plain_weights, weights, 1e-5)
+        assert stats["train/loss"] == pytest.approx(plain["train/loss"], rel=1e-5, abs=1e-7)
+
+
+def test_two_workers_with_micro_batches_make_the_one_process_update(tiny_policy_dir, tmp_path):
+    """Two gloo workers whose shares split into different numbers of micro-batches (the one holding the long
+    answers more: the other pads with stand-ins) land within 1e-5 of one unsplit process."""
+    from models.checkpoint import load_policy
+    from tests.test_sharded_training import one_process, step_config, synthetic_rows, two_workers, weight_gap
+
+    rows = synthetic_rows(load_policy(tiny_policy_dir)[1])
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    stats, _ = one_process(tiny_policy_dir, rows, step_config(), one)
+    results = two_workers(
+        tiny_policy_dir, rows, step_config(max_tokens_per_microbatch=30, gradient_checkpointing=True), two
+    )
+    worst, _ = weight_gap(one, two)
+    assert worst < 1e-5, f"2 workers with micro-batches moved the weights {worst:.2e} from one process's update"
+    for key in ("train/loss", "train/grad_norm", "train/drift_kl"):
+        assert results[0].stats[key] == pytest.approx(stats[key], rel=1e-4, abs=1e-6), key

@@ -60,6 +60,17 @@ class TrainConfig(Config):
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     """Training precision: 'fp32', or 'bf16' autocast over fp32 master weights and optimizer state. 'auto': bf16 on
     CUDA, fp32 on the CPU."""
+    max_tokens_per_microbatch: int | None = Field(None, ge=1)
+    """Split each minibatch into micro-batches of at most this many padded tokens (rows x (longest prompt + longest
+    completion)), scored and back-propagated one after another, their gradients accumulated into the minibatch's one
+    optimizer step; the loss keeps the whole minibatch's normalisation, so the update is the unsplit one to float
+    rounding. Then the micro-batch, not the round's size, sets training's activation memory. None: each minibatch
+    in one pass. Changes memory and speed; results only at float rounding."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them (non-reentrant
+    activation checkpointing): less memory for about one more forward pass of compute. Each sample is then scored
+    over its whole sequence (a layer's KV cache cannot be checkpointed), so a group's prompt is encoded once per
+    sample. Changes memory and speed; results only at float rounding."""
     seed: int = 0
     """Seed for anything random in training. Dropout is never active (the policy trains in eval mode),
     so on CPU an update is a function of the weights and the stored rows alone."""

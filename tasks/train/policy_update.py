@@ -28,7 +28,7 @@ from models.logprobs import (
     sequence_logprobs,
 )
 from models.loss import LossInputs, LossSettings, StepTotals, logprob_mismatch, policy_loss, pooled_mismatch
-from models.memory import checkpoint_layers, checkpointed
+from models.memory import checkpoint_layers, checkpointed, trainable_parameters
 from tasks.config.train import TrainConfig
 
 CPU = torch.device("cpu")
@@ -143,7 +143,9 @@ ONE_PROCESS = Collective()
 
 def adamw(model, config: TrainConfig, state: dict | None = None) -> torch.optim.AdamW:
     """The round's optimizer, continuing ``state`` (a plain ``state_dict``) when given."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
+    optimizer = torch.optim.AdamW(
+        trainable_parameters(model), lr=config.learning_rate, weight_decay=config.weight_decay
+    )  # every parameter in full fine-tuning; only the adapters under LoRA
     if state is not None:
         optimizer.load_state_dict(state)
     return schedule(optimizer, config)

@@ -10,17 +10,21 @@ weights, and no checkpoint can be downloaded here. Its tokenizer is a word-level
 width 256 (the vocabulary stays) for a run of a few minutes.
 
 A train configuration is one round's training stage as ``tasks.train.stage.train_here`` runs it: load the
-parent checkpoint, one optimizer step over 16 prompts x 4 samples (``--prompts``, ``--samples``) with
-prompts of 24 tokens and completions of 128 (``--tokens``), save the new checkpoint and optimizer state.
-Its peak is the process's ru_maxrss; its stages are timed inside. Configurations:
+parent checkpoint, one optimizer step over ``--prompts`` x ``--samples`` rows with prompts of 24 tokens and
+completions of ``--tokens``, in micro-batches of ``--microbatch`` tokens, then save the new checkpoint and
+optimizer state. Its peak is the process's ru_maxrss; its stages are timed inside. The defaults (2 x 4 rows
+of 32 tokens, micro-batches of 256) keep the run near 10 minutes on 2 cores: at this shape a 2-core CPU
+trains about 3-4 tokens a second, so the issue's round (``--prompts 16 --tokens 128``, about 9,700 tokens)
+takes most of an hour per configuration. Micro-batches, not the round, set the peak (``full-gc-2x``).
+Configurations:
 
     full, full-gc        full fine-tuning, micro-batches of --microbatch tokens, without / with gradient
                          checkpointing
     full-gc-2x           full-gc with twice the prompts: micro-batches, not the round, should set the peak
     lora, lora-gc        LoRA adapters (rank 16 on every projection), when models/memory.py offers them
-    score-32k, score-152k  one no-gradient scoring pass (``completion_logprobs``) over the round's rows at
-                         vocabulary 32k and 152k, 2 layers: its peak above the loaded model should not
-                         depend on the vocabulary
+    score-32k, score-152k  one no-gradient scoring pass (``completion_logprobs``) over 16 x 4 rows of 128
+                         tokens (``--score-prompts``, ``--score-tokens``) at vocabulary 32k and 152k, 2
+                         layers: its peak above the loaded model should not depend on the vocabulary
     score-32k-whole      the same at 32k with the whole logits (the computation before the logits budget)
 
 Figures are printed as a table and written with ``--json``; ratios are taken within the run.
@@ -106,6 +110,14 @@ def synthetic_rows(prompts: int, samples: int, tokens: int, vocab: int, seed: in
     return rows
 
 
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.machine()
+
+
 def peak_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
@@ -171,6 +183,9 @@ def run_score(spec: dict) -> dict:
     model, tokenizer = load_policy(spec["policy"])
     rows = synthetic_rows(spec["prompts"], spec["samples"], spec["tokens"], spec["vocab"])
     batch = pack_shared([r["prompt_token_ids"] for r in rows], [r["completion_token_ids"] for r in rows], 0)
+    with torch.no_grad():  # read every weight once: a weight first read by the pass would count as the pass's
+        for parameter in model.parameters():
+            parameter.sum()
     loaded = status_bytes("VmRSS")
     reset_peak()
     budget = 1 << 62 if spec["whole"] else LOGITS_BUDGET
@@ -202,10 +217,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="4 layers of width 256 (the vocabulary stays)")
     parser.add_argument("--configs", default=",".join(TRAIN_CONFIGS + SCORE_CONFIGS))
-    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--prompts", type=int, default=2)
     parser.add_argument("--samples", type=int, default=4)
-    parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--microbatch", type=int, default=2048, help="train.max_tokens_per_microbatch")
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--microbatch", type=int, default=256, help="train.max_tokens_per_microbatch")
+    parser.add_argument("--score-prompts", type=int, default=16)
+    parser.add_argument("--score-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--json", help="also write the figures to this file")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -248,6 +265,8 @@ def main() -> None:
                 hidden, _, heads, kv_heads, mlp = shape
                 spec = {
                     **common,
+                    "prompts": args.score_prompts,
+                    "tokens": args.score_tokens,
                     "kind": "score",
                     "policy": policy((hidden, 2, heads, kv_heads, mlp), vocab),
                     "vocab": vocab,
@@ -259,7 +278,10 @@ def main() -> None:
             results.append(result)
             print(json.dumps(result), flush=True)
 
-    print(f"\n{platform.processor() or platform.machine()}, {args.threads} threads, shape {shape}, vocab {VOCAB}")
+    print(f"\n{cpu_name()}, {args.threads} threads, shape {shape}, vocab {VOCAB}")
+    rows = f"{args.prompts} x {args.samples} rows of 24 + {args.tokens} tokens"
+    scoring = f"{args.score_prompts} x {args.samples} rows of 24 + {args.score_tokens} tokens"
+    print(f"train: {rows}, micro-batches of {args.microbatch}; scoring (2 layers): {scoring}")
     print(f"{'config':<18}{'peak GiB':>10}{'above model GiB':>17}{'train s':>9}{'stage s':>9}{'score s':>9}")
     gib = 1 << 30
     for r in results:

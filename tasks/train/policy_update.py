@@ -4,14 +4,14 @@ The round's trainable groups are split into ``steps_per_round`` minibatches of `
 groups, in a seeded shuffle of their ids (``minibatch_order``), one optimizer step each. Later
 minibatches are a few steps stale relative to the weights that sampled them; the PPO ratio and its
 clip account for that, and the staleness is logged. ``train_policy`` runs the steps in one process, or
-as one worker's share of each minibatch in a group (``Collective``; tasks/train/worker_group.py).
+as one worker's share of each minibatch in a group (``Collective``; tasks/train/worker_group.py). How rows
+become minibatches, shares and micro-batches is tasks/train/minibatches.py (re-exported here).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import statistics
 import time
 from dataclasses import dataclass
@@ -27,98 +27,19 @@ from models.logprobs import (
     right_padded,
     sequence_logprobs,
 )
-from models.loss import LossInputs, LossSettings, StepTotals, logprob_mismatch, policy_loss, pooled_mismatch
+from models.loss import LossInputs, LossSettings, logprob_mismatch, policy_loss, pooled_mismatch
 from models.memory import checkpoint_layers, checkpointed, trainable_parameters
 from tasks.config.train import TrainConfig
+from tasks.train.minibatches import TrainBatch as TrainBatch
+from tasks.train.minibatches import microbatches as microbatches
+from tasks.train.minibatches import minibatches as minibatches
+from tasks.train.minibatches import sharded_minibatches as sharded_minibatches
 
 CPU = torch.device("cpu")
 
 
 def loss_settings(config: TrainConfig) -> LossSettings:
     return LossSettings(config.clip_low, config.clip_high, config.tis_cap, config.aggregation, config.kl_coef)
-
-
-@dataclass
-class TrainBatch:
-    prompt_ids: list[list[int]]
-    completion_ids: list[list[int]]
-    behaviour: list[list[float]]
-    advantages: list[float]
-    policy_versions: list[list[int]]
-    top_p: list[float]  # per sample: the nucleus its behaviour logprobs were renormalised over
-    max_tokens: int | None = None  # the sampling limit on completion tokens (dr_grpo's denominator)
-    step: StepTotals | None = None  # the whole minibatch's totals, when this is one worker's share of it
-    idle: bool = False  # a stand-in for a worker with no rows in this minibatch: it trains on nothing
-
-
-def minibatches(
-    rows: list[dict], groups_per_step: int, steps: int, shuffle_seed: int | None = None
-) -> list[TrainBatch]:
-    """Kept rows (in stored order) -> up to ``steps`` minibatches of whole groups: in stored order, or
-    with ``shuffle_seed`` in the order of a hash of (seed, group id), which depends on nothing but the
-    rows and the seed (``TrainConfig.minibatch_order``)."""
-    return [batch_of(sum(groups, [])) for groups in step_groups(rows, groups_per_step, steps, shuffle_seed)]
-
-
-def sharded_minibatches(
-    rows: list[dict], groups_per_step: int, steps: int, shuffle_seed: int | None, workers: int
-) -> list[list[TrainBatch]]:
-    """``minibatches`` split between ``workers``: per worker, its share of every minibatch, whole groups in
-    contiguous runs (so a group's samples share their prompt's pass), each share carrying its minibatch's
-    totals. A worker the minibatch has no group for gets an idle stand-in (its first group, counting for
-    nothing): every worker takes part in every step's collectives."""
-    shares: list[list[TrainBatch]] = [[] for _ in range(workers)]
-    for groups in step_groups(rows, groups_per_step, steps, shuffle_seed):
-        chosen = sum(groups, [])
-        sampled = max((sampling_limit(r) for r in chosen), default=0) or None
-        totals = StepTotals(sum(len(r["completion_token_ids"]) for r in chosen), len(chosen), sampled)
-        bounds = [len(groups) * w // workers for w in range(workers + 1)]
-        for worker, (a, b) in enumerate(zip(bounds, bounds[1:])):
-            mine = sum(groups[a:b], [])
-            shares[worker].append(batch_of(mine or groups[0], totals, idle=not mine))
-    return shares
-
-
-def step_groups(rows: list[dict], groups_per_step: int, steps: int, shuffle_seed: int | None) -> list[list[list[dict]]]:
-    """Per optimizer step, its groups' rows (see ``minibatches``)."""
-    order: list[str] = []
-    by_group: dict[str, list[dict]] = {}
-    for row in rows:
-        if row["group_id"] not in by_group:
-            order.append(row["group_id"])
-            by_group[row["group_id"]] = []
-        by_group[row["group_id"]].append(row)
-    if shuffle_seed is not None:
-        order.sort(key=lambda group_id: _group_key(shuffle_seed, group_id))
-    out = []
-    for step in range(steps):
-        groups = [by_group[g] for g in order[step * groups_per_step : (step + 1) * groups_per_step]]
-        if not groups:
-            break
-        out.append(groups)
-    return out
-
-
-def sampling_limit(row: dict) -> int:
-    return (row.get("sampling") or {}).get("max_tokens") or 0
-
-
-def batch_of(chosen: list[dict], step: StepTotals | None = None, idle: bool = False) -> TrainBatch:
-    return TrainBatch(
-        [r["prompt_token_ids"] for r in chosen],
-        [r["completion_token_ids"] for r in chosen],
-        [r["rollout_logprobs"] for r in chosen],
-        [r["advantage"] for r in chosen],
-        [r["token_policy_versions"] for r in chosen],
-        [float((r.get("sampling") or {}).get("top_p") or 1.0) for r in chosen],
-        step.max_tokens if step else max((sampling_limit(r) for r in chosen), default=0) or None,
-        step,
-        idle,
-    )
-
-
-def _group_key(seed: int, group_id: str) -> bytes:
-    return hashlib.blake2b(f"{seed}/{group_id}".encode(), digest_size=8).digest()
 
 
 class Collective:
@@ -302,40 +223,6 @@ class Part:
     def of(cls, batch: TrainBatch, pad_token_id: int, device: torch.device) -> Part:
         tokens = pack_shared(batch.prompt_ids, batch.completion_ids, pad_token_id).to(device)
         return cls(batch, tokens, torch.tensor(batch.top_p, dtype=torch.float32, device=device))
-
-
-def microbatches(batch: TrainBatch, config: TrainConfig) -> list[TrainBatch]:
-    """A minibatch as micro-batches of at most ``config.max_tokens_per_microbatch`` padded tokens (rows x
-    (longest prompt + longest completion)), rows in order so a group's samples stay together where they fit;
-    at least one row each. Every micro-batch carries the whole minibatch's totals, so their losses add up to
-    the minibatch's. Without the setting: the minibatch itself, as it is."""
-    budget = config.max_tokens_per_microbatch
-    if budget is None:
-        return [batch]
-    totals = batch.step or StepTotals(
-        sum(len(c) for c in batch.completion_ids), len(batch.completion_ids), batch.max_tokens
-    )
-    bounds, first, widest = [0], 0, 0
-    for row, (prompt, completion) in enumerate(zip(batch.prompt_ids, batch.completion_ids)):
-        widest = max(widest, len(prompt) + len(completion))
-        if row > first and (row - first + 1) * widest > budget:
-            bounds.append(row)
-            first, widest = row, len(prompt) + len(completion)
-    bounds.append(len(batch.completion_ids))
-    return [
-        TrainBatch(
-            batch.prompt_ids[a:b],
-            batch.completion_ids[a:b],
-            batch.behaviour[a:b],
-            batch.advantages[a:b],
-            batch.policy_versions[a:b],
-            batch.top_p[a:b],
-            batch.max_tokens,
-            totals,
-            batch.idle,
-        )  # fmt: skip
-        for a, b in zip(bounds, bounds[1:])
-    ]
 
 
 def even_parts(parts: list[list[Part]], collective: Collective) -> list[list[Part]]:

@@ -25,6 +25,7 @@ Configurations:
     score-32k, score-152k  one no-gradient scoring pass (``completion_logprobs``) over 16 x 4 rows of 128
                          tokens (``--score-prompts``, ``--score-tokens``) at vocabulary 32k and 152k, 2
                          layers: its peak above the loaded model should not depend on the vocabulary
+                         (once the logits outgrow ``LOGITS_BUDGET``: far fewer rows are scored whole)
     score-32k-whole      the same at 32k with the whole logits (the computation before the logits budget)
 
 Figures are printed as a table and written with ``--json``; ratios are taken within the run.

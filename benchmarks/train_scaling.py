@@ -97,7 +97,7 @@ def two_workers(parent: str, rows: list[dict], config, device) -> tuple[dict, li
 
     steps = len(minibatches(rows, config.groups_per_step, config.steps_per_round))
     shares = sharded_minibatches(rows, config.groups_per_step, config.steps_per_round, None, 2)
-    job = TrainJob([], config, 1.0, 0, [False] * steps)
+    job = TrainJob(shares=[], config=config, temperature=1.0, current_version=0, recompute=[False] * steps)
     results = train_in_processes(2, parent, shares, job, device.type)
     weights = load(results[0].files["model.safetensors"])
     return results[0].stats, [r.memory for r in results], weights

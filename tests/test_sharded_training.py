@@ -75,7 +75,13 @@ def two_workers(parent: str, rows: list[dict], config, out: str, device: str = "
 
     steps = len(minibatches(rows, config.groups_per_step, config.steps_per_round))
     shares = sharded_minibatches(rows, config.groups_per_step, config.steps_per_round, None, 2)
-    results = train_in_processes(2, parent, shares, TrainJob([], config, 1.0, 0, [True] * steps), device)
+    results = train_in_processes(
+        2,
+        parent,
+        shares,
+        TrainJob(shares=[], config=config, temperature=1.0, current_version=0, recompute=[True] * steps),
+        device,
+    )
     write_files(out, {name: data for r in results for name, data in r.files.items()})
     return results
 

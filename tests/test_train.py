@@ -18,15 +18,12 @@ def coin(completion, reference):
 @pytest.fixture
 def coin_verifier(monkeypatch):
     from tasks.config.verify import KNOWN_VERIFIERS
-    from tasks.serving.engines import drop_serving_engines
     from tasks.verifiers import registry
     from tasks.verifiers.registry import VerifierSpec
 
     monkeypatch.setitem(registry.VERIFIERS, "coin", VerifierSpec("test", lambda _config: coin))
     monkeypatch.setitem(KNOWN_VERIFIERS, "coin", "test")
-    drop_serving_engines()  # the rounds below start serving engines on tiny policies of their own shape
-    yield "coin"
-    drop_serving_engines()
+    return "coin"
 
 
 def _context(storage, parent, run_id="t", round_index=1):
@@ -64,15 +61,18 @@ def _round_config(train: dict, top_p: float = 1.0, groups: int = 4):
 def _trajectories(ctx, config) -> str:
     from tasks.filter.stage import run_filter
     from tasks.rollout.stage import run_rollout
+    from tasks.serving.live import LiveEngines
 
-    rollout = run_rollout(
-        ctx=ctx,
-        prompts=config.prompts,
-        rollout=config.rollout,
-        verify=config.verify_resolved,
-        filtering=config.filter,
-        target_groups=config.target_groups,
-    )
+    with LiveEngines() as engines:
+        rollout = run_rollout(
+            ctx=ctx,
+            prompts=config.prompts,
+            rollout=config.rollout,
+            verify=config.verify_resolved,
+            filtering=config.filter,
+            target_groups=config.target_groups,
+            engines=engines,
+        )
     return run_filter(
         ctx=ctx,
         staging=rollout.staging,
@@ -83,16 +83,20 @@ def _trajectories(ctx, config) -> str:
 
 
 def _train(ctx, uri, config, target):
+    from flows.resources import CampaignResources
     from tasks.train.stage import run_train
 
-    return run_train(
-        ctx=ctx,
-        trajectory_uri=uri,
-        config=config.train,
-        temperature=config.rollout.temperature,
-        rollout_dtype=config.rollout.dtype,
-        target_checkpoint=target,
-    )
+    with CampaignResources() as resources:
+        return run_train(
+            ctx=ctx,
+            trajectory_uri=uri,
+            config=config.train,
+            temperature=config.rollout.temperature,
+            rollout_dtype=config.rollout.dtype,
+            target_checkpoint=target,
+            engines=resources.engines,
+            trainers=resources.trainers,
+        )
 
 
 def _perturbed_round(storage, base_dir) -> str:

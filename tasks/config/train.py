@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
-from tasks.config.base import Config
+from tasks.config.base import AddedInput, Config
 
 
 class TrainConfig(Config):
@@ -54,10 +54,10 @@ class TrainConfig(Config):
     """Reference policy of the KL penalty. 'base': the campaign's starting policy, a fixed anchor the
     whole campaign is pulled towards. 'parent': the checkpoint the round starts from, a moving trust
     region that only limits how far one round moves."""
-    workers: int = Field(1, ge=1, le=4096)
+    workers: Annotated[int, AddedInput(since="2026-11")] = Field(1, ge=1, le=4096)
     """Trainer processes. 1: in the round's own process. N > 1: N Ray actors started once per campaign shard the
     policy and optimizer state with FSDP2 and split each step's groups, making the update one would."""
-    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    precision: Annotated[Literal["auto", "fp32", "bf16"], AddedInput(since="2026-11")] = "auto"
     """Training precision: 'fp32', or 'bf16' autocast over fp32 master weights and optimizer state. 'auto': bf16 on
     CUDA, fp32 on the CPU."""
     seed: int = 0

@@ -173,7 +173,7 @@ def train_policy(
     if not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = adamw(model, config, optimizer)
     # each group's prompt is encoded once and shared by its samples: about half the tokens of
-    # scoring every sample's full sequence (models/checkpoint.py, completion_logprobs)
+    # scoring every sample's full sequence (models/logprobs.py, completion_logprobs)
     packed = [pack_shared(b.prompt_ids, b.completion_ids, pad_token_id).to(device) for b in batches]
     top_ps = [torch.tensor(b.top_p, dtype=torch.float32, device=device) for b in batches]  # [B] each
     plan = recompute if isinstance(recompute, list) else [recompute] * len(batches)

@@ -19,7 +19,7 @@ from prefect import flow
 
 from flows.config import CampaignConfig
 from flows.progress import StageProgress, artifact_key, publish_rounds_table, stage_logger
-from flows.resources import CampaignResources, held
+from flows.resources import CampaignResources
 from flows.round import open_round, run_round
 from flows.stages import Stages
 from flows.tasks import preflight_task, prepare_base_task, register_base_task
@@ -88,7 +88,6 @@ def rl_campaign(
     storage: str | None = None,
     resume: bool | None = None,
     takeover: bool = False,
-    resources: CampaignResources | None = None,
 ) -> dict:
     """A campaign of RL rounds, each starting from the previous round's checkpoint.
 
@@ -98,8 +97,6 @@ def rl_campaign(
         resume: False for a new run id (`rlrounds run --run-id`), True for an existing one (`--resume`),
             empty for either: re-running with the same run id continues the campaign.
         takeover: Resume even though the recorded owner runs on another host, which this one cannot check.
-        resources: Leave empty: the campaign opens its own live engines and trainer workers and releases them when
-            it ends. A Python caller that holds some (flows/resources.py) may pass them; they then stay open.
     """
     root = StorageRoot.of(storage or settings().storage)
     storage = root.uri
@@ -114,7 +111,7 @@ def rl_campaign(
     if owner.generation:
         log.info("resuming campaign %s (takeover %d)", run_id, owner.generation)
     try:
-        with held(resources) as resources:  # the engines and trainer workers live as long as the campaign
+        with CampaignResources() as resources:  # the engines and trainer workers live as long as the campaign
             return campaign_rounds(
                 config, storage=storage, run_id=run_id, version=code_version(), owner=owner, resources=resources
             )

@@ -81,9 +81,17 @@ def one_worker(parent: str, rows: list[dict], config, device) -> tuple[dict, dic
     model.to(device)
     batches = minibatches(rows, config.groups_per_step, config.steps_per_round)
     optimizer, stats = train_policy(
-        model, tokenizer.pad_token_id, batches, config, 1.0, None, 0, [False] * len(batches),
-        device=device, precision=resolve_precision(config.precision, device),
-    )  # fmt: skip
+        model,
+        tokenizer.pad_token_id,
+        batches,
+        config=config,
+        temperature=1.0,
+        optimizer=None,
+        current_version=0,
+        recompute=[False] * len(batches),
+        device=device,
+        precision=resolve_precision(config.precision, device),
+    )
     weights = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     return stats, resident_bytes(model, optimizer), weights
 

@@ -7,12 +7,16 @@ rule the embedded engine samples with.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass
@@ -166,6 +170,136 @@ row of the minibatch up to it made much of the completion pass padding (docs/tra
 round's seconds go; figures in docs/performance.md)."""
 
 
+LOGITS_BUDGET = 2**25
+"""Logit elements (rows x positions x vocabulary) a scoring pass holds at once: 128 MiB of float32. A pass
+within it computes the model's whole logits as before; a larger one keeps only the positions it scores and
+runs them through the output head a slice at a time (``chunked_scores``), so its peak memory depends on this
+budget, not on vocabulary x length. Every built-in policy's minibatch fits well within it (a 16-token
+vocabulary), so built-in rounds compute what they always did, bit for bit; a 152k-vocabulary policy
+scores about 220 positions per slice."""
+
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+"""Config keys of models whose logits are not the output head's output as it is (a soft cap or a scale
+applied after it); those are scored from their whole logits, whatever the budget."""
+
+
+def vocab_size(model: Any) -> int:
+    """Rows of the model's output head: the vocabulary its logits span."""
+    return int(model.get_output_embeddings().weight.shape[0])
+
+
+def plain_head(model: Any) -> bool:
+    """Whether the model's logits are its output head (a linear layer) applied to the last hidden states
+    and nothing after, so the head can be run a slice at a time instead (``scoring_head``)."""
+    config = getattr(model, "config", None)
+    head = model.get_output_embeddings()
+    return type(head) is torch.nn.Linear and not any(getattr(config, key, None) for key in LOGIT_TRANSFORMS)
+
+
+@contextlib.contextmanager
+def scoring_head(model: Any, score: Callable[[torch.nn.Linear, torch.Tensor], torch.Tensor]) -> Iterator[None]:
+    """Inside the block, the model's output head returns ``score(head, hidden)`` instead of logits, so a
+    forward's ``.logits`` are per-token scores. The head runs inside the model's own forward, where a
+    sharded model (FSDP2) has gathered its weight; calling the decoder and the head apart would bypass that."""
+    head = model.get_output_embeddings()
+    head.forward = functools.partial(score, head)  # an instance attribute shadows the class's forward
+    try:
+        yield
+    finally:
+        del head.forward
+
+
+def chunked_scores(
+    head: torch.nn.Linear,
+    hidden: torch.Tensor,
+    *,
+    targets: torch.Tensor,
+    valid: torch.Tensor,
+    temperature: float,
+    top_p: torch.Tensor | None,
+    logits_budget: int,
+    first: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """log p(target) of every valid position, from hidden states, never holding more than ``logits_budget``
+    logit elements: hidden [n, w', H], targets and valid [n, w], top_p [n] -> [n, w] (0 where not valid).
+
+    ``hidden[:, j]`` predicts the token after position j, so ``hidden[:, :-1]`` scores the targets; with
+    ``first`` ([n, 1, V], the logits that predict the first target, from the prompt's pass) they score
+    targets 1..w-1 and ``first`` scores target 0. Only valid positions go through the head, in slices of
+    ``logits_budget // V`` rows; with gradients on, each slice is recomputed in the backward pass
+    (activation checkpointing), so no slice's logits outlive it."""
+    n, w = targets.shape
+    offset = 0 if first is None else 1
+    columns = []
+    if first is not None:
+        nucleus = None if top_p is None else top_p
+        columns.append(scored(first.float(), targets[:, :1], temperature, nucleus))  # [n, 1]
+    states = hidden[:, : w - offset]  # [n, w - offset, H]
+    rows, cols = valid[:, offset:].nonzero(as_tuple=True)  # [N] each: the positions scored
+    picked, wanted = states[rows, cols], targets[:, offset:][rows, cols]  # [N, H], [N]
+    nuclei = None if top_p is None else top_p[rows]  # [N]
+    step = max(1, logits_budget // head.weight.shape[0])
+    slices = []
+    for start in range(0, picked.shape[0], step):
+        part = (head.weight, head.bias, picked[start : start + step], wanted[start : start + step], temperature)
+        nucleus = None if nuclei is None else nuclei[start : start + step]
+        if torch.is_grad_enabled():
+            slices.append(checkpoint(_slice_scores, *part, nucleus, use_reentrant=False))
+        else:
+            slices.append(_slice_scores(*part, nucleus))
+    flat = torch.cat(slices) if slices else hidden.new_zeros((0,), dtype=torch.float32)  # [N]
+    rest = flat.new_zeros((n, w - offset)).index_put((rows, cols), flat)  # [n, w - offset]
+    return torch.cat([*columns, rest], dim=1)
+
+
+def _slice_scores(
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    states: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    top_p: torch.Tensor | None,
+) -> torch.Tensor:
+    """One slice of ``chunked_scores``: states [k, H], targets [k], top_p [k] -> [k]."""
+    logits = torch.nn.functional.linear(states, weight, bias).float().unsqueeze(1)  # [k, 1, V]
+    return scored(logits, targets.unsqueeze(1), temperature, top_p).squeeze(1)
+
+
+def sequence_logprobs(
+    model: Any,
+    batch: SharedPromptBatch,
+    temperature: float = 1.0,
+    top_p: torch.Tensor | None = None,
+    *,
+    logits_budget: int = LOGITS_BUDGET,
+) -> torch.Tensor:
+    """``completion_logprobs`` without a KV cache: each sample's prompt and completion in one pass, [B, C].
+
+    Costs the prompt once per sample instead of once per group, but needs no cache, which activation
+    checkpointing of the decoder layers forbids (a layer recomputed in the backward pass would write its
+    cache twice). Only the completion's positions reach the output head."""
+    owner_mask = batch.prompt_mask.index_select(0, batch.owner)  # [B, P]
+    ids = torch.cat([batch.prompt_ids.index_select(0, batch.owner), batch.completion_ids], dim=-1)  # [B, P + C]
+    mask = torch.cat([owner_mask, batch.completion_mask], dim=-1)  # [B, P + C]
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    width = batch.completion_ids.shape[1]
+    keep = {"input_ids": ids, "attention_mask": mask, "position_ids": positions, "logits_to_keep": width + 1}
+    whole = ids.shape[0] * width * vocab_size(model) <= logits_budget or not plain_head(model)
+    if whole:
+        logits = model(**keep).logits[:, :-1, :].float()  # [B, C, V]: position P-1+j predicts completion token j
+        return scored(logits, batch.completion_ids, temperature, top_p)
+    scores = functools.partial(
+        chunked_scores,
+        targets=batch.completion_ids,
+        valid=batch.completion_mask.bool(),
+        temperature=temperature,
+        top_p=top_p,
+        logits_budget=logits_budget,
+    )
+    with scoring_head(model, scores):
+        return model(**keep).logits  # [B, C]
+
+
 def length_chunks(lengths: torch.Tensor, padding_budget: int = COMPLETION_PADDING_BUDGET) -> list[torch.Tensor]:
     """Rows grouped by completion length, so few rows are padded up to a long one: [B] -> index tensors.
 
@@ -190,6 +324,8 @@ def completion_logprobs(
     temperature: float = 1.0,
     top_p: torch.Tensor | None = None,
     padding_budget: int | None = COMPLETION_PADDING_BUDGET,
+    *,
+    logits_budget: int = LOGITS_BUDGET,
 ) -> torch.Tensor:
     """Log-probabilities of each completion token under the sampling distribution: [B, C].
 
@@ -200,10 +336,19 @@ def completion_logprobs(
     length (``length_chunks``) so that a few long completions do not pad every row; ``padding_budget``
     None runs them as one chunk, so the model is called twice whatever the rows (what the workers of a
     sharded group need: each call gathers the weights from all of them). Position ids continue each
-    prompt's own length, as the engine's do."""
+    prompt's own length, as the engine's do.
+
+    ``logits_budget`` bounds the logits held at once (``LOGITS_BUDGET``): a pass whose logits would exceed
+    it keeps only the prompt's last position and scores the completions through ``chunked_scores``."""
     positions = (batch.prompt_mask.cumsum(-1) - 1).clamp(min=0)
+    vocab = vocab_size(model)
+    last_only = {"logits_to_keep": 1} if batch.prompt_ids.numel() * vocab > logits_budget else {}
     prompt_out = model(
-        input_ids=batch.prompt_ids, attention_mask=batch.prompt_mask, position_ids=positions, use_cache=True
+        input_ids=batch.prompt_ids,
+        attention_mask=batch.prompt_mask,
+        position_ids=positions,
+        use_cache=True,
+        **last_only,
     )
     cache = cache_of(prompt_out)
     layers = getattr(cache, "layers", None)  # transformers >= 4.56; older caches run as one chunk
@@ -223,16 +368,32 @@ def completion_logprobs(
         c_width = max(1, int(lengths[chunk].max()))
         completion_ids = batch.completion_ids[chunk, :c_width]  # [n, w]
         prompt_mask = batch.prompt_mask.index_select(0, owner)  # [n, P]
-        out = model(
-            input_ids=completion_ids,
-            attention_mask=torch.cat([prompt_mask, batch.completion_mask[chunk, :c_width]], dim=-1),
-            position_ids=prompt_mask.sum(-1, keepdim=True) + torch.arange(c_width, device=prompt_mask.device),  # [n, w]
-            **{cache_argument(model): cache},
-        )
         first = prompt_out.logits[:, -1, :].index_select(0, owner).unsqueeze(1)  # [n, 1, V]: predicts token 0
-        logits = torch.cat([first, out.logits[:, :-1, :]], dim=1).float()  # [n, w, V]: predicts token j
         nucleus = None if top_p is None else top_p.index_select(0, chunk)
-        logprobs = scored(logits, completion_ids, temperature, nucleus)  # [n, w]
+        # within the budget, the logits are the model's own, whole: the computation (and its rounding) of
+        # every pass before the budget existed
+        whole = chunk.numel() * c_width * vocab <= logits_budget or not plain_head(model)
+        scores = functools.partial(
+            chunked_scores,
+            first=first,
+            targets=completion_ids,
+            valid=batch.completion_mask[chunk, :c_width].bool(),
+            temperature=temperature,
+            top_p=nucleus,
+            logits_budget=logits_budget,
+        )
+        with contextlib.nullcontext() if whole else scoring_head(model, scores):
+            out = model(
+                input_ids=completion_ids,
+                attention_mask=torch.cat([prompt_mask, batch.completion_mask[chunk, :c_width]], dim=-1),
+                position_ids=prompt_mask.sum(-1, keepdim=True) + torch.arange(c_width, device=prompt_mask.device),
+                **{cache_argument(model): cache},
+            )
+        if whole:
+            logits = torch.cat([first, out.logits[:, :-1, :]], dim=1).float()  # [n, w, V]: predicts token j
+            logprobs = scored(logits, completion_ids, temperature, nucleus)  # [n, w]
+        else:
+            logprobs = out.logits  # [n, w]: the scoring head's output
         pieces.append(torch.nn.functional.pad(logprobs, (0, width - c_width)))
     order = torch.cat(chunks)
     back = torch.empty_like(order)

@@ -60,9 +60,17 @@ def one_process(parent: str, rows: list[dict], config, out: str, device: str = "
     batches = minibatches(rows, config.groups_per_step, config.steps_per_round)
     state, plan = load_optimizer(parent, model), [True] * len(batches)
     optimizer, stats = train_policy(
-        model, tokenizer.pad_token_id, batches, config, 1.0, state, 0, plan,
-        device=placed, precision=resolve_precision(config.precision, placed),
-    )  # fmt: skip
+        model,
+        tokenizer.pad_token_id,
+        batches,
+        config=config,
+        temperature=1.0,
+        optimizer=state,
+        current_version=0,
+        recompute=plan,
+        device=placed,
+        precision=resolve_precision(config.precision, placed),
+    )
     memory = resident_bytes(model, optimizer)
     save_policy(model.cpu(), tokenizer, out)
     save_optimizer(on_cpu(optimizer.state_dict()), out)

@@ -38,12 +38,16 @@ class NotInput:
 
 @dataclass(frozen=True)
 class AddedInput:
-    """Marks an input field added after campaigns were first recorded: it is part of the config hash and the stage
-    keys like any input, but a campaign's identity holds it only when it differs from its default, so a campaign
-    recorded before the field existed still resumes (``rollout.stop``)."""
+    """Marks an input field added after campaigns were first recorded: a campaign's identity holds it only when it
+    differs from its default, so a campaign recorded before the field existed still resumes (``rollout.stop``).
+
+    ``keyed_at_default``: the config hash and the stage keys hold it whatever its value (the fields added before
+    this flag existed, whose recorded keys hold them). False: they too leave it out while it is at its default, so
+    the keys a round recorded before the field existed still match (``train.lora``)."""
 
     since: str
     """When the field was added (a date), for the reader."""
+    keyed_at_default: bool = True
 
 
 def marker(field: FieldInfo, kind: type[T]) -> T | None:
@@ -63,6 +67,11 @@ class Config(BaseModel):
         the ``NotInput`` fields, or with them at their defaults where they are ``keyed_at_default``, at any depth."""
         fields = type(self).model_fields
         dropped = {name for name, f in fields.items() if (m := marker(f, NotInput)) and not m.keyed_at_default}
+        dropped |= {
+            name
+            for name, f in fields.items()
+            if (added := marker(f, AddedInput)) and not added.keyed_at_default and self.at_default(name)
+        }
         dump = self.model_dump(mode="json", exclude=dropped)
         for name in dump:
             value = getattr(self, name)
@@ -72,6 +81,11 @@ class Config(BaseModel):
                 dump[name] = value.inputs_dump()
         return dump
 
+    def at_default(self, name: str) -> bool:
+        """Whether field ``name`` holds its default value (compared as JSON)."""
+        default = type(self).model_fields[name].get_default(call_default_factory=True)
+        return to_jsonable_python(getattr(self, name)) == to_jsonable_python(default)
+
     def identity_dump(self) -> dict:
         """The config as part of a campaign's identity (what a resume must match): without the ``NotInput``
         fields, and without the ``AddedInput`` fields that are at their defaults, at any depth."""
@@ -79,7 +93,7 @@ class Config(BaseModel):
         dump = self.model_dump(mode="json", exclude={name for name, f in fields.items() if marker(f, NotInput)})
         for name in list(dump):
             value = getattr(self, name)
-            if marker(fields[name], AddedInput) and dump[name] == to_jsonable_python(fields[name].default):
+            if marker(fields[name], AddedInput) and self.at_default(name):
                 del dump[name]
             elif isinstance(value, Config):
                 dump[name] = value.identity_dump()

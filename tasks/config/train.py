@@ -4,9 +4,35 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
-from tasks.config.base import AddedInput, Config
+from tasks.config.base import AddedInput, Config, NotInput
+
+
+class LoraConfig(Config):
+    """Low-rank adapters (LoRA, with ``peft``) trained in place of the policy's own weights."""
+
+    rank: int = Field(16, ge=1, le=4096)
+    """Rank of each adapter's two factors."""
+    alpha: float = Field(32.0, gt=0.0)
+    """Scale of the adapters' output: their product is multiplied by alpha / rank."""
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    """Names of the linear layers that get an adapter (the attention and MLP projections of Llama-shaped models)."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input. Must be 0: the policy trains in eval mode, where dropout never runs (see
+    ``train.seed``), so any other value would be silently ignored."""
+
+    @field_validator("dropout")
+    @classmethod
+    def _no_dropout(cls, value: float) -> float:
+        if value != 0.0:
+            raise ValueError(
+                "train.lora.dropout must be 0: the policy trains in eval mode (dropout would make the trainer score "
+                "another policy than the engine sampled from); set train.lora.dropout: 0"
+            )
+        return value
 
 
 class TrainConfig(Config):
@@ -60,6 +86,20 @@ class TrainConfig(Config):
     precision: Annotated[Literal["auto", "fp32", "bf16"], AddedInput(since="2026-11")] = "auto"
     """Training precision: 'fp32', or 'bf16' autocast over fp32 master weights and optimizer state. 'auto': bf16 on
     CUDA, fp32 on the CPU."""
+    max_tokens_per_microbatch: Annotated[
+        int | None, NotInput("the same update to float rounding, in bounded memory")
+    ] = Field(None, ge=1)
+    """Back-propagate each minibatch in micro-batches of at most this many padded tokens, gradients accumulated into
+    its one step under the whole minibatch's loss normalisation: the same update to float rounding, bounded
+    activation memory. None: one pass."""
+    gradient_checkpointing: Annotated[bool, NotInput("the same update to float rounding, in less memory")] = False
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them: less memory, about
+    one more forward pass. Samples are then scored over whole sequences (no shared prompt cache). Same update to
+    float rounding."""
+    lora: Annotated[LoraConfig | None, AddedInput(since="2026-12-04", keyed_at_default=False)] = None
+    """Train low-rank adapters instead of every weight: each round adds fresh adapters to its parent and trains only
+    them; the checkpoint holds the policy with them merged (what engines load) and the adapters in adapter/. None:
+    full fine-tuning."""
     seed: int = 0
     """Seed for anything random in training. Dropout is never active (the policy trains in eval mode),
     so on CPU an update is a function of the weights and the stored rows alone."""

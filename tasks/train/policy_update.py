@@ -9,6 +9,7 @@ as one worker's share of each minibatch in a group (``Collective``; tasks/train/
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import statistics
@@ -18,8 +19,16 @@ from dataclasses import dataclass
 import torch
 
 from models.device import autocast
-from models.logprobs import COMPLETION_PADDING_BUDGET, completion_logprobs, pack_shared, right_padded
+from models.logprobs import (
+    COMPLETION_PADDING_BUDGET,
+    SharedPromptBatch,
+    completion_logprobs,
+    pack_shared,
+    right_padded,
+    sequence_logprobs,
+)
 from models.loss import LossInputs, LossSettings, StepTotals, logprob_mismatch, policy_loss, pooled_mismatch
+from models.memory import checkpoint_layers, checkpointed, trainable_parameters
 from tasks.config.train import TrainConfig
 
 CPU = torch.device("cpu")
@@ -29,7 +38,7 @@ def loss_settings(config: TrainConfig) -> LossSettings:
     return LossSettings(config.clip_low, config.clip_high, config.tis_cap, config.aggregation, config.kl_coef)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TrainBatch:
     prompt_ids: list[list[int]]
     completion_ids: list[list[int]]
@@ -96,15 +105,15 @@ def sampling_limit(row: dict) -> int:
 
 def batch_of(chosen: list[dict], step: StepTotals | None = None, idle: bool = False) -> TrainBatch:
     return TrainBatch(
-        [r["prompt_token_ids"] for r in chosen],
-        [r["completion_token_ids"] for r in chosen],
-        [r["rollout_logprobs"] for r in chosen],
-        [r["advantage"] for r in chosen],
-        [r["token_policy_versions"] for r in chosen],
-        [float((r.get("sampling") or {}).get("top_p") or 1.0) for r in chosen],
-        step.max_tokens if step else max((sampling_limit(r) for r in chosen), default=0) or None,
-        step,
-        idle,
+        prompt_ids=[r["prompt_token_ids"] for r in chosen],
+        completion_ids=[r["completion_token_ids"] for r in chosen],
+        behaviour=[r["rollout_logprobs"] for r in chosen],
+        advantages=[r["advantage"] for r in chosen],
+        policy_versions=[r["token_policy_versions"] for r in chosen],
+        top_p=[float((r.get("sampling") or {}).get("top_p") or 1.0) for r in chosen],
+        max_tokens=step.max_tokens if step else max((sampling_limit(r) for r in chosen), default=0) or None,
+        step=step,
+        idle=idle,
     )
 
 
@@ -134,7 +143,9 @@ ONE_PROCESS = Collective()
 
 def adamw(model, config: TrainConfig, state: dict | None = None) -> torch.optim.AdamW:
     """The round's optimizer, continuing ``state`` (a plain ``state_dict``) when given."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
+    optimizer = torch.optim.AdamW(
+        trainable_parameters(model), lr=config.learning_rate, weight_decay=config.weight_decay
+    )  # every parameter in full fine-tuning; only the adapters under LoRA
     if state is not None:
         optimizer.load_state_dict(state)
     return schedule(optimizer, config)
@@ -150,6 +161,7 @@ def train_policy(
     model,
     pad_token_id: int,
     batches: list[TrainBatch],
+    *,
     config: TrainConfig,
     temperature: float,
     optimizer: torch.optim.Optimizer | dict | None,
@@ -157,7 +169,6 @@ def train_policy(
     recompute: bool | list[bool],
     ref_model=None,
     progress=None,
-    *,
     device: torch.device = CPU,
     precision: str = "fp32",
     collective: Collective = ONE_PROCESS,
@@ -174,20 +185,27 @@ def train_policy(
         optimizer = adamw(model, config, optimizer)
     # each group's prompt is encoded once and shared by its samples: about half the tokens of
     # scoring every sample's full sequence (models/logprobs.py, completion_logprobs)
-    packed = [pack_shared(b.prompt_ids, b.completion_ids, pad_token_id).to(device) for b in batches]
-    top_ps = [torch.tensor(b.top_p, dtype=torch.float32, device=device) for b in batches]  # [B] each
+    parts = [[Part.of(b, pad_token_id, device) for b in microbatches(batch, config)] for batch in batches]
+    if collective.world > 1 and config.max_tokens_per_microbatch is not None:
+        parts = even_parts(parts, collective)
     plan = recompute if isinstance(recompute, list) else [recompute] * len(batches)
     forward = functools.partial(autocast, device, precision)
+    model.eval()  # why eval mode: see the loop below
+    if config.gradient_checkpointing:
+        checkpoint_layers(model)
     # a sharded model gathers its weights at every call, so each worker must call it as often as the others:
-    # one completion chunk whatever its rows' lengths
-    score = functools.partial(
-        completion_logprobs, padding_budget=None if collective.world > 1 else COMPLETION_PADDING_BUDGET
+    # one completion chunk whatever its rows' lengths. Checkpointed layers keep no KV cache: whole sequences.
+    score = (
+        sequence_logprobs
+        if checkpointed(model)
+        else functools.partial(
+            completion_logprobs, padding_budget=None if collective.world > 1 else COMPLETION_PADDING_BUDGET
+        )
     )
     with torch.no_grad(), forward():  # trainer logprobs at the sampling weights, before any step moves them
-        proximal = [
-            score(model, p, temperature, nucleus) if wanted else None
-            for p, nucleus, wanted in zip(packed, top_ps, plan)
-        ]
+        for minibatch, wanted in zip(parts, plan):
+            for part in minibatch if wanted else []:
+                part.proximal = score(model, part.tokens, temperature, part.top_p)
     settings = loss_settings(config)
     history: dict[str, list[float]] = {
         k: [] for k in ("loss", "clip_fraction", "grad_norm", "tis_mean", "tis_truncated_fraction", "kl", "ratio_mean")
@@ -200,68 +218,39 @@ def train_policy(
     # Forward passes stay in eval mode: dropout would make the trainer score another (random) policy
     # than the engine sampled from, so the ratio would not be 1 at step 0, the mismatch figure would
     # measure dropout noise, and the loss would depend on the RNG rather than on the stored rows.
-    model.eval()
     passes = [index for _ in range(config.epochs) for index in range(len(batches))]
     for step, index in enumerate(passes):
-        batch, tokens = batches[index], packed[index]
-        width = tokens.completion_ids.shape[1]
-        mask = tokens.completion_mask.float()  # [B, C]
-        if (
-            batch.idle
-        ):  # a worker's stand-in rows when the minibatch has none for it (``shard``): they count for nothing
-            mask = torch.zeros_like(mask)
-        behaviour = right_padded(batch.behaviour, width).to(device)  # [B, C]
-        with forward():
-            logp = score(model, tokens, temperature, top_ps[index])  # [B, C]
-        sampling = behaviour if proximal[index] is None else proximal[index]  # the weights the rows came from
-        drift = policy_drift(logp.detach(), sampling, mask, collective)
+        optimizer.zero_grad(set_to_none=True)
+        # each micro-batch is scored and back-propagated before the next is scored, its gradient accumulated:
+        # only one micro-batch's activations are alive at a time. The drift check needs every micro-batch's
+        # logprobs, so it comes after them; a step it stops makes no update (its gradients are dropped).
+        done = [
+            part_step(model, part, step=step, first_pass=step < len(batches), current_version=current_version,
+                      score=score, forward=forward, temperature=temperature, settings=settings, config=config,
+                      ref_model=ref_model, collective=collective)
+            for part in parts[index]
+        ]  # fmt: skip
+        drift = step_drift(done, collective)
         if config.max_kl is not None and step > 0 and drift > config.max_kl:
             stopped = True  # every round makes at least one update
+            optimizer.zero_grad(set_to_none=True)
             break
-        ref = None
-        if ref_model is not None and config.kl_coef > 0:
-            with torch.no_grad(), forward():
-                ref = completion_logprobs(ref_model, tokens, temperature, top_ps[index])
-        # Engine vs trainer at the weights that sampled: every minibatch's proximal logprobs where they
-        # were recomputed, else the first minibatch before any update (the others are scored k updates
-        # past those weights). The round's own drift, trainer now against the sampling weights, is kept
-        # apart, so neither figure hides in the other. Only tokens sampled by the parent policy count: a
-        # carried-over token's gap is staleness, not mismatch. Later passes repeat the first's minibatches.
-        versions = right_padded(batch.policy_versions, width, fill=-1).to(device)  # [B, C]
-        current = (versions == current_version).float()  # [B, C]
-        if step < len(batches):
-            if proximal[index] is not None or step == 0:
-                at_sampling = logp.detach() if proximal[index] is None else proximal[index]
-                mismatch.append(logprob_mismatch(at_sampling, behaviour, mask * current))
-            drifted.append(logprob_mismatch(logp.detach(), sampling, mask * current))
-        on = mask.bool()
-        freshness.append(torch.stack([(current_version - versions)[on], (logp.detach() - behaviour)[on]], dim=-1).cpu())
-        inputs = LossInputs(
-            logp,
-            behaviour,
-            torch.tensor(batch.advantages, dtype=torch.float32, device=device),
-            mask,
-            proximal[index],
-            ref,
-            batch.max_tokens,
-            batch.step,
-        )
-        out = policy_loss(inputs, settings)
-        optimizer.zero_grad(set_to_none=True)
-        # a group averages its workers' gradients: each worker's share of the step's loss, times the
-        # group's size, averages to the step's gradient
-        (out.loss * collective.world if collective.world > 1 else out.loss).backward()
+        for part in done:
+            mismatch.extend(part.mismatch)
+            drifted.extend(part.drifted)
+            freshness.append(part.freshness)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
         optimizer.step()
-        figures = [out.clip_fraction, out.tis_mean, out.tis_truncated_fraction, out.kl, out.ratio_mean]
-        loss, figures = step_figures(float(out.loss.detach()), figures, float(mask.sum()), collective)
+        loss, figures, tokens = step_loss_figures(done)
+        loss, figures = step_figures(loss, figures, tokens, collective)
         for key, value in zip(history, [loss, figures[0], float(full_tensor(grad_norm)), *figures[1:]]):
             history[key].append(value)
         # Staleness in optimizer steps: the weights being trained are `step` steps past the round's
         # starting policy, plus a whole round per policy version the token lags behind it.
-        lag = step + (current_version - versions[on]) * len(passes)  # [N] over the minibatch's tokens
-        lag_sum, lag_count = lag_sum + float(lag.sum()), lag_count + lag.numel()
-        lag_max = max(lag_max, float(lag.max()) if lag.numel() else 0.0)
+        for part in done:
+            lag = step + (current_version - part.versions) * len(passes)  # [N] over the part's tokens
+            lag_sum, lag_count = lag_sum + float(lag.sum()), lag_count + lag.numel()
+            lag_max = max(lag_max, float(lag.max()) if lag.numel() else 0.0)
         if progress and collective.rank == 0 and (step + 1) % 8 == 0:
             progress(f"train: step {step + 1}/{len(passes)} loss {loss:.4f}")
     trained = set(passes[: len(history["loss"])])
@@ -299,6 +288,161 @@ def train_policy(
     return optimizer, stats
 
 
+@dataclass
+class Part:
+    """One micro-batch of a minibatch (the whole minibatch, without ``train.max_tokens_per_microbatch``),
+    packed for scoring on the trainer's device."""
+
+    batch: TrainBatch
+    tokens: SharedPromptBatch
+    top_p: torch.Tensor  # [B] the nucleus each row was sampled under
+    proximal: torch.Tensor | None = None  # [B, C] trainer logprobs at the sampling weights, where recomputed
+
+    @classmethod
+    def of(cls, batch: TrainBatch, pad_token_id: int, device: torch.device) -> Part:
+        tokens = pack_shared(batch.prompt_ids, batch.completion_ids, pad_token_id).to(device)
+        return cls(batch, tokens, torch.tensor(batch.top_p, dtype=torch.float32, device=device))
+
+
+def microbatches(batch: TrainBatch, config: TrainConfig) -> list[TrainBatch]:
+    """A minibatch as micro-batches of at most ``config.max_tokens_per_microbatch`` padded tokens (rows x
+    (longest prompt + longest completion)), rows in order so a group's samples stay together where they fit;
+    at least one row each. Every micro-batch carries the whole minibatch's totals, so their losses add up to
+    the minibatch's. Without the setting: the minibatch itself, as it is."""
+    budget = config.max_tokens_per_microbatch
+    if budget is None:
+        return [batch]
+    totals = batch.step or StepTotals(
+        sum(len(c) for c in batch.completion_ids), len(batch.completion_ids), batch.max_tokens
+    )
+    bounds, first, widest = [0], 0, 0
+    for row, (prompt, completion) in enumerate(zip(batch.prompt_ids, batch.completion_ids)):
+        widest = max(widest, len(prompt) + len(completion))
+        if row > first and (row - first + 1) * widest > budget:
+            bounds.append(row)
+            first, widest = row, len(prompt) + len(completion)
+    bounds.append(len(batch.completion_ids))
+    return [
+        TrainBatch(
+            prompt_ids=batch.prompt_ids[a:b],
+            completion_ids=batch.completion_ids[a:b],
+            behaviour=batch.behaviour[a:b],
+            advantages=batch.advantages[a:b],
+            policy_versions=batch.policy_versions[a:b],
+            top_p=batch.top_p[a:b],
+            max_tokens=batch.max_tokens,
+            step=totals,
+            idle=batch.idle,
+        )
+        for a, b in zip(bounds, bounds[1:])
+    ]
+
+
+def even_parts(parts: list[list[Part]], collective: Collective) -> list[list[Part]]:
+    """Every worker's minibatches in as many micro-batches as the most any worker has, padded with idle
+    stand-ins (counting for nothing): a sharded model's every forward and backward is a collective."""
+    most = collective.max([float(len(p)) for p in parts])
+    idle = [dataclasses.replace(p[-1], batch=dataclasses.replace(p[-1].batch, idle=True)) for p in parts]
+    return [p + [stand_in] * (int(n) - len(p)) for p, stand_in, n in zip(parts, idle, most)]
+
+
+@dataclass
+class PartResult:
+    """What one micro-batch's forward and backward leave for its step's figures."""
+
+    loss: float
+    figures: list[float]  # clip fraction, tis mean, tis truncated fraction, kl, ratio mean: token means
+    tokens: float  # completion tokens it trained on
+    drift: tuple[torch.Tensor, torch.Tensor]  # the k3 sum of KL(sampling || current) over its tokens, and their count
+    versions: torch.Tensor  # [N] policy version of each of its trained tokens
+    freshness: torch.Tensor  # [N, 2] version lag and log behaviour weight of each trained token
+    mismatch: list[dict[str, float]]
+    drifted: list[dict[str, float]]
+
+
+def part_step(
+    model, part: Part, *, step: int, first_pass: bool, current_version: int, score, forward, temperature: float,
+    settings: LossSettings, config: TrainConfig, ref_model, collective: Collective,
+) -> PartResult:  # fmt: skip
+    """Score one micro-batch, take its share of the step's loss and back-propagate it (the gradient adds to
+    the step's); return its figures."""
+    batch, tokens = part.batch, part.tokens
+    width = tokens.completion_ids.shape[1]
+    mask = tokens.completion_mask.float()  # [B, C]
+    if batch.idle:  # a worker's stand-in rows when the minibatch has none for it (``shard``): they count for nothing
+        mask = torch.zeros_like(mask)
+    device = mask.device
+    behaviour = right_padded(batch.behaviour, width).to(device)  # [B, C]
+    with forward():
+        logp = score(model, tokens, temperature, part.top_p)  # [B, C]
+    sampling = behaviour if part.proximal is None else part.proximal  # the weights the rows came from
+    log_ratio = (logp.detach() - sampling) * mask
+    drift = (((log_ratio.exp() - 1 - log_ratio) * mask).sum(), mask.sum())
+    ref = None
+    if ref_model is not None and config.kl_coef > 0:
+        with torch.no_grad(), forward():
+            ref = completion_logprobs(ref_model, tokens, temperature, part.top_p)
+    # Engine vs trainer at the weights that sampled: every minibatch's proximal logprobs where they
+    # were recomputed, else the first minibatch before any update (the others are scored k updates
+    # past those weights). The round's own drift, trainer now against the sampling weights, is kept
+    # apart, so neither figure hides in the other. Only tokens sampled by the parent policy count: a
+    # carried-over token's gap is staleness, not mismatch. Later passes repeat the first's minibatches.
+    versions = right_padded(batch.policy_versions, width, fill=-1).to(device)  # [B, C]
+    current = (versions == current_version).float()  # [B, C]
+    mismatch, drifted = [], []
+    if first_pass:
+        if part.proximal is not None or step == 0:
+            at_sampling = logp.detach() if part.proximal is None else part.proximal
+            mismatch.append(logprob_mismatch(at_sampling, behaviour, mask * current))
+        drifted.append(logprob_mismatch(logp.detach(), sampling, mask * current))
+    on = mask.bool()
+    freshness = torch.stack([(current_version - versions)[on], (logp.detach() - behaviour)[on]], dim=-1).cpu()
+    advantages = torch.tensor(batch.advantages, dtype=torch.float32, device=device)
+    inputs = LossInputs(
+        logprobs=logp,
+        behaviour_logprobs=behaviour,
+        advantages=advantages,
+        mask=mask,
+        proximal_logprobs=part.proximal,
+        ref_logprobs=ref,
+        max_tokens=batch.max_tokens,
+        step=batch.step,
+    )
+    out = policy_loss(inputs, settings)
+    # a group averages its workers' gradients: each worker's share of the step's loss, times the
+    # group's size, averages to the step's gradient
+    (out.loss * collective.world if collective.world > 1 else out.loss).backward()
+    figures = [out.clip_fraction, out.tis_mean, out.tis_truncated_fraction, out.kl, out.ratio_mean]
+    return PartResult(
+        float(out.loss.detach()), figures, float(mask.sum()), drift, versions[on], freshness, mismatch, drifted
+    )
+
+
+def step_drift(parts: list[PartResult], collective: Collective) -> float:
+    """How far the weights being trained have moved from the sampling policy over one step's minibatch: the k3
+    estimate of KL(sampling || current), mean over all their tokens (over every
+    worker's, in a group)."""
+    if len(parts) == 1:  # one pass over the minibatch: its sums divided in float32, as rounds before micro-batches did
+        total, tokens = parts[0].drift
+        if collective.world == 1:
+            return float(total / tokens.clamp(min=1.0))
+        total, tokens = collective.sum([float(total), float(tokens)])
+        return total / max(tokens, 1.0)
+    total, tokens = sum(float(p.drift[0]) for p in parts), sum(float(p.drift[1]) for p in parts)
+    if collective.world > 1:
+        total, tokens = collective.sum([total, tokens])
+    return total / max(tokens, 1.0)
+
+
+def step_loss_figures(parts: list[PartResult]) -> tuple[float, list[float], float]:
+    """A step's loss (its micro-batches' shares add up), token-mean figures and token count."""
+    if len(parts) == 1:
+        return parts[0].loss, parts[0].figures, parts[0].tokens
+    tokens = sum(p.tokens for p in parts)
+    figures = [sum(p.figures[i] * p.tokens for p in parts) / max(tokens, 1.0) for i in range(len(parts[0].figures))]
+    return sum(p.loss for p in parts), figures, tokens
+
+
 def step_figures(loss: float, figures: list[float], tokens: float, collective: Collective) -> tuple[float, list[float]]:
     """A step's loss and token-mean figures from each worker's share: the loss shares add up, the means
     weigh each worker by its tokens. In one process they are the figures as computed."""
@@ -311,19 +455,6 @@ def step_figures(loss: float, figures: list[float], tokens: float, collective: C
 def full_tensor(value: torch.Tensor) -> torch.Tensor:
     """A sharded (DTensor) scalar's value; a plain tensor as it is."""
     return value.full_tensor() if hasattr(value, "full_tensor") else value
-
-
-def policy_drift(current, sampling, mask, collective: Collective = ONE_PROCESS) -> float:
-    """How far the weights being trained have moved from the sampling policy over one minibatch: the k3
-    estimate of KL(sampling || current), mean over its tokens (over every worker's share, in a group).
-    current, sampling, mask: [B, C]."""
-    with torch.no_grad():
-        log_ratio = (current - sampling) * mask
-        total, tokens = ((log_ratio.exp() - 1 - log_ratio) * mask).sum(), mask.sum()
-        if collective.world == 1:
-            return float(total / tokens.clamp(min=1.0))
-        total, tokens = collective.sum([float(total), float(tokens)])
-        return total / max(tokens, 1.0)
 
 
 def freshness_stats(tokens, tis_cap: float) -> dict[str, float]:

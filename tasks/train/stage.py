@@ -19,6 +19,7 @@ import torch
 
 from models.checkpoint import load_policy, save_policy
 from models.device import deterministic_kernels, resolve_device, resolve_precision
+from models.memory import ADAPTER_DIR, add_adapters, merged_policy, save_adapters
 from models.sharded import OPTIMIZER_DIR, OPTIMIZER_FILE, plain_optimizer_state
 from storage import checkpoints
 from storage.paths import StorageRoot
@@ -164,6 +165,7 @@ def run_train(
             "code_version": ctx.code_version,
             "train_config": config.model_dump(mode="json"),
             "trained_on": {"workers": config.workers, "device": placed.type, "precision": precision},
+            **lora_lineage(config, ctx.parent_checkpoint),
             **(lineage_extra or {}),
         }
         checkpoints.commit_checkpoint(root, tmp, target, lineage)
@@ -193,25 +195,45 @@ def train_here(
     deterministic_kernels()
     model, tokenizer = load_policy(parent, dtype="float32", device=device)
     ref_model = load_policy(reference, dtype="float32", device=device)[0] if reference else None
+    adapted = None
+    if config.lora is not None:  # fresh adapters each round: the parent's optimizer state is not theirs
+        lora = config.lora
+        adapted = add_adapters(
+            model, rank=lora.rank, alpha=lora.alpha, target_modules=lora.target_modules, seed=config.seed
+        )
+        model = adapted.get_base_model()  # the same modules, adapters injected
     optimizer, stats = train_policy(
         model,
         tokenizer.pad_token_id,
         batches,
-        config,
-        temperature,
-        load_optimizer(parent, model),
-        current_version,
-        recompute,
-        ref_model,
-        progress,
+        config=config,
+        temperature=temperature,
+        optimizer=None if adapted is not None else load_optimizer(parent, model),
+        current_version=current_version,
+        recompute=recompute,
+        ref_model=ref_model,
+        progress=progress,
         device=device,
         precision=precision,
     )
+    if adapted is not None:  # the adapters and their Adam state apart, for audit; the policy merged
+        save_adapters(adapted, os.path.join(out, ADAPTER_DIR))
+        save_optimizer(on_cpu(optimizer.state_dict()), os.path.join(out, ADAPTER_DIR))
+        model = merged_policy(adapted)
     save_policy(model, tokenizer, out)  # from CPU tensors, wherever the model is: it loads on any device
     # the new weights where they were trained, for a GPU serving engine to take from memory (publish)
     weights = {k: v.detach() for k, v in model.state_dict().items()} if device.type == "cuda" else None
-    save_optimizer(on_cpu(optimizer.state_dict()), out)
+    if adapted is None:
+        save_optimizer(on_cpu(optimizer.state_dict()), out)
     return stats, weights
+
+
+def lora_lineage(config: TrainConfig, parent: str) -> dict:
+    """What lineage.json records of a LoRA round: the adapters' settings, the weights they were trained on
+    (the parent checkpoint) and where they are kept beside the merged policy."""
+    if config.lora is None:
+        return {}
+    return {"lora": {**config.lora.model_dump(mode="json"), "adapter_base": parent, "adapter_dir": ADAPTER_DIR}}
 
 
 def on_cpu(state):

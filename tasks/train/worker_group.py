@@ -36,6 +36,7 @@ import torch.multiprocessing as mp
 
 from models.checkpoint import load_policy, save_policy, set_threads
 from models.device import deterministic_kernels, distributed_backend, resolve_device, resolve_precision
+from models.memory import ADAPTER_DIR, add_adapters, merged_policy, save_adapters, trainable_parameters
 from models.sharded import (
     OPTIMIZER_DIR,
     OPTIMIZER_FILE,
@@ -143,9 +144,17 @@ class TrainWorker:
         with tempfile.TemporaryDirectory(prefix="rlrounds-worker-") as tmp:
             parent_dir = write_files(os.path.join(tmp, "parent"), parent)
             model, tokenizer = load_policy(parent_dir, device=device)
+            lora, adapted = job.config.lora, None
+            if lora is not None:  # fresh adapters each round (the same draw on every rank), as in one process
+                adapted = add_adapters(
+                    model, rank=lora.rank, alpha=lora.alpha, target_modules=lora.target_modules, seed=job.config.seed
+                )
+                model = adapted.get_base_model()
             shard_policy(model)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=job.config.learning_rate)
-            if os.path.isdir(os.path.join(parent_dir, OPTIMIZER_DIR)):
+            optimizer = torch.optim.AdamW(trainable_parameters(model), lr=job.config.learning_rate)
+            if adapted is not None:
+                pass  # the parent's optimizer state is not the new adapters'
+            elif os.path.isdir(os.path.join(parent_dir, OPTIMIZER_DIR)):
                 load_optimizer_shards(model, optimizer, os.path.join(parent_dir, OPTIMIZER_DIR))
             elif os.path.exists(os.path.join(parent_dir, OPTIMIZER_FILE)):
                 plain = torch.load(os.path.join(parent_dir, OPTIMIZER_FILE), weights_only=True, map_location="cpu")
@@ -158,12 +167,12 @@ class TrainWorker:
                 model,
                 tokenizer.pad_token_id,
                 job.shares,
-                job.config,
-                job.temperature,
-                optimizer,
-                job.current_version,
-                job.recompute,
-                ref_model,
+                config=job.config,
+                temperature=job.temperature,
+                optimizer=optimizer,
+                current_version=job.current_version,
+                recompute=job.recompute,
+                ref_model=ref_model,
                 device=device,
                 precision=resolve_precision(job.config.precision, device),
                 collective=self.collective,
@@ -171,10 +180,19 @@ class TrainWorker:
             memory = resident_bytes(model, optimizer)
             out = os.path.join(tmp, "out")
             weights = full_weights(model)
-            save_optimizer_shards(model, optimizer, os.path.join(out, OPTIMIZER_DIR))
+            kept = os.path.join(out, ADAPTER_DIR) if adapted is not None else out  # LoRA: beside the adapters
+            save_optimizer_shards(model, optimizer, os.path.join(kept, OPTIMIZER_DIR))
             if rank == 0:  # the whole policy, saved from the CPU like a one-process round's
                 whole, _ = load_policy(parent_dir)
-                whole.load_state_dict(weights)
+                if adapted is None:
+                    whole.load_state_dict(weights)
+                else:
+                    whole = add_adapters(
+                        whole, rank=lora.rank, alpha=lora.alpha, target_modules=lora.target_modules, seed=0
+                    )
+                    whole.get_base_model().load_state_dict(weights)
+                    save_adapters(whole, kept)
+                    whole = merged_policy(whole)
                 save_policy(whole, tokenizer, out)
             return WorkerResult(rank, stats, memory, read_files(out))
 

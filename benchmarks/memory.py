@@ -1,0 +1,304 @@
+"""Memory of a real-size policy's training round: peak resident memory and seconds per stage, each
+configuration in a fresh process.
+
+    python benchmarks/memory.py [--quick] [--configs full,full-gc,...] [--json OUT]
+
+The policy is Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14 heads of which 2 key/value, MLP 4864,
+vocabulary 151,936, tied embeddings) with random weights: memory and time depend on the shape, not the
+weights, and no checkpoint can be downloaded here. Its tokenizer is a word-level one built with
+``tokenizers`` over placeholder tokens, padded to the vocabulary. ``--quick`` shrinks it to 4 layers of
+width 256 (the vocabulary stays) for a run of a few minutes.
+
+A train configuration is one round's training stage as ``tasks.train.stage.train_here`` runs it: load the
+parent checkpoint, one optimizer step over 16 prompts x 4 samples (``--prompts``, ``--samples``) with
+prompts of 24 tokens and completions of 128 (``--tokens``), save the new checkpoint and optimizer state.
+Its peak is the process's ru_maxrss; its stages are timed inside. Configurations:
+
+    full, full-gc        full fine-tuning, micro-batches of --microbatch tokens, without / with gradient
+                         checkpointing
+    full-gc-2x           full-gc with twice the prompts: micro-batches, not the round, should set the peak
+    lora, lora-gc        LoRA adapters (rank 16 on every projection), when models/memory.py offers them
+    score-32k, score-152k  one no-gradient scoring pass (``completion_logprobs``) over the round's rows at
+                         vocabulary 32k and 152k, 2 layers: its peak above the loaded model should not
+                         depend on the vocabulary
+    score-32k-whole      the same at 32k with the whole logits (the computation before the logits budget)
+
+Figures are printed as a table and written with ``--json``; ratios are taken within the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+SHAPES = {  # hidden, layers, heads, kv heads, MLP
+    "qwen2.5-0.5b": (896, 24, 14, 2, 4864),
+    "quick": (256, 4, 4, 2, 1024),
+}
+VOCAB = 151_936
+TRAIN_CONFIGS = ("full", "full-gc", "full-gc-2x", "lora", "lora-gc")
+SCORE_CONFIGS = ("score-32k", "score-152k", "score-32k-whole")
+
+
+def build_policy(directory: str, shape: tuple, vocab: int, seed: int = 0) -> int:
+    """A random Qwen2 of ``shape`` and ``vocab`` saved as a Hugging Face directory; returns its parameter count."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    from models.checkpoint import save_policy
+
+    hidden, layers, heads, kv_heads, mlp = shape
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=mlp,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    model = Qwen2ForCausalLM(config)
+    specials = ["<pad>", "<s>", "</s>", "<unk>"]
+    vocabulary = {token: i for i, token in enumerate(specials + [f"t{i}" for i in range(vocab - len(specials))])}
+    core = Tokenizer(models.WordLevel(vocab=vocabulary, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
+    save_policy(model, tokenizer, directory)
+    return sum(p.numel() for p in model.parameters())
+
+
+def synthetic_rows(prompts: int, samples: int, tokens: int, vocab: int, seed: int = 0) -> list[dict]:
+    """Kept rows of ``prompts`` groups: 24-token prompts, completions of ``tokens`` tokens, +-1 advantages."""
+    rng = random.Random(seed)
+    rows = []
+    for g in range(prompts):
+        prompt = [1] + [rng.randrange(4, vocab) for _ in range(23)]
+        for s in range(samples):
+            completion = [rng.randrange(4, vocab) for _ in range(tokens)]
+            rows.append(
+                {
+                    "group_id": f"g{g}",
+                    "prompt_token_ids": prompt,
+                    "completion_token_ids": completion,
+                    "rollout_logprobs": [-12.0 + rng.uniform(-0.1, 0.1) for _ in completion],
+                    "advantage": 1.0 if s % 2 else -1.0,
+                    "token_policy_versions": [0] * len(completion),
+                    "sampling": {"top_p": 1.0, "max_tokens": tokens},
+                    "engine": {"name": "embedded", "dtype": "float32"},
+                }
+            )
+    return rows
+
+
+def peak_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def status_bytes(field: str) -> int:
+    """A memory figure of this process from /proc/self/status (VmRSS: now, VmHWM: the peak since the last reset)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def reset_peak() -> None:
+    """Start VmHWM again from the current resident size (Linux: writing 5 to clear_refs), so a peak read
+    afterwards is the scoring's, not the model loading's."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def run_train(spec: dict) -> dict:
+    """One train configuration, in this (fresh) process: the train stage's own function."""
+    import torch
+
+    from tasks.config.train import TrainConfig
+    from tasks.train import stage
+    from tasks.train.policy_update import minibatches
+
+    torch.set_num_threads(spec["threads"])
+    rows = synthetic_rows(spec["prompts"], spec["samples"], spec["tokens"], spec["vocab"])
+    train = {
+        "groups_per_step": spec["prompts"],
+        "steps_per_round": 1,
+        "epochs": 1,
+        "max_kl": None,
+        "recompute_proximal": "never",
+        "max_tokens_per_microbatch": spec["microbatch"],
+        "gradient_checkpointing": spec["gc"],
+    }
+    if spec["lora"]:
+        train["lora"] = {"rank": 16, "alpha": 32}
+    config = TrainConfig(**train)
+    batches = minibatches(rows, config.groups_per_step, config.steps_per_round)
+    timings: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix="rlrounds-memory-") as out:
+        started = time.perf_counter()
+        stats, _ = stage.train_here(
+            spec["policy"],
+            None,
+            batches,
+            config=config,
+            temperature=1.0,
+            current_version=0,
+            recompute=[False],
+            out=out,
+            device=torch.device("cpu"),
+            precision="fp32",
+            progress=None,
+        )
+        timings["train_s"] = stats["train/update_s"]
+        timings["stage_s"] = time.perf_counter() - started  # load + update + save
+    return {"peak_bytes": peak_bytes(), **timings, "loss": stats["train/loss"]}
+
+
+def run_score(spec: dict) -> dict:
+    """One no-gradient scoring pass over the round's rows; its peak above the loaded model."""
+    import torch
+
+    from models.checkpoint import load_policy
+    from models.logprobs import LOGITS_BUDGET, completion_logprobs, pack_shared
+
+    torch.set_num_threads(spec["threads"])
+    model, tokenizer = load_policy(spec["policy"])
+    rows = synthetic_rows(spec["prompts"], spec["samples"], spec["tokens"], spec["vocab"])
+    batch = pack_shared([r["prompt_token_ids"] for r in rows], [r["completion_token_ids"] for r in rows], 0)
+    loaded = status_bytes("VmRSS")
+    reset_peak()
+    budget = 1 << 62 if spec["whole"] else LOGITS_BUDGET
+    started = time.perf_counter()
+    with torch.no_grad():
+        scores = completion_logprobs(model, batch, 1.0, None, None, logits_budget=budget)
+    seconds = time.perf_counter() - started
+    scoring_peak = status_bytes("VmHWM")
+    return {
+        "peak_bytes": peak_bytes(),
+        "loaded_bytes": loaded,
+        "above_model_bytes": scoring_peak - loaded,
+        "score_s": seconds,
+        "checksum": float(scores.sum()),
+    }
+
+
+def measure(name: str, spec: dict) -> dict:
+    """Run one configuration in a fresh interpreter; its figures."""
+    env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    command = [sys.executable, __file__, "--child", json.dumps(spec)]
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        return {"config": name, "error": (done.stderr.strip().splitlines() or ["failed"])[-1][:300]}
+    return {"config": name, **json.loads(done.stdout.strip().splitlines()[-1])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="4 layers of width 256 (the vocabulary stays)")
+    parser.add_argument("--configs", default=",".join(TRAIN_CONFIGS + SCORE_CONFIGS))
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--samples", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--microbatch", type=int, default=2048, help="train.max_tokens_per_microbatch")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--json", help="also write the figures to this file")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        spec = json.loads(args.child)
+        print(json.dumps(run_score(spec) if spec["kind"] == "score" else run_train(spec)))
+        return
+
+    shape = SHAPES["quick" if args.quick else "qwen2.5-0.5b"]
+    wanted = args.configs.split(",")
+    common = {"prompts": args.prompts, "samples": args.samples, "tokens": args.tokens, "threads": args.threads}
+    results = []
+    with tempfile.TemporaryDirectory(prefix="rlrounds-memory-policy-") as tmp:
+        policies: dict[tuple, str] = {}
+
+        def policy(layers_shape: tuple, vocab: int) -> str:
+            key = (layers_shape, vocab)
+            if key not in policies:
+                policies[key] = os.path.join(tmp, f"policy-{len(policies)}")
+                count = build_policy(policies[key], layers_shape, vocab)
+                print(f"built a random Qwen2 {layers_shape} vocab {vocab}: {count / 1e6:.0f}M parameters", flush=True)
+            return policies[key]
+
+        for name in wanted:
+            if name in TRAIN_CONFIGS:
+                spec = {
+                    **common,
+                    "kind": "train",
+                    "policy": policy(shape, VOCAB),
+                    "vocab": VOCAB,
+                    "microbatch": args.microbatch,
+                    "gc": name.endswith("gc") or "-gc-" in name,
+                    "lora": name.startswith("lora"),
+                }
+                if name.endswith("-2x"):
+                    spec["prompts"] = 2 * args.prompts
+            elif name in SCORE_CONFIGS:
+                vocab = 32_000 if "32k" in name else VOCAB
+                hidden, _, heads, kv_heads, mlp = shape
+                spec = {
+                    **common,
+                    "kind": "score",
+                    "policy": policy((hidden, 2, heads, kv_heads, mlp), vocab),
+                    "vocab": vocab,
+                    "whole": name.endswith("whole"),
+                }
+            else:
+                raise SystemExit(f"unknown configuration {name!r}; choose from {TRAIN_CONFIGS + SCORE_CONFIGS}")
+            result = measure(name, spec)
+            results.append(result)
+            print(json.dumps(result), flush=True)
+
+    print(f"\n{platform.processor() or platform.machine()}, {args.threads} threads, shape {shape}, vocab {VOCAB}")
+    print(f"{'config':<18}{'peak GiB':>10}{'above model GiB':>17}{'train s':>9}{'stage s':>9}{'score s':>9}")
+    gib = 1 << 30
+    for r in results:
+        if "error" in r:
+            print(f"{r['config']:<18}  failed: {r['error']}")
+            continue
+        above = f"{r['above_model_bytes'] / gib:17.2f}" if "above_model_bytes" in r else " " * 17
+        cells = "".join(f"{r[k]:9.1f}" if k in r else " " * 9 for k in ("train_s", "stage_s", "score_s"))
+        print(f"{r['config']:<18}{r['peak_bytes'] / gib:10.2f}{above}{cells}")
+    peaks = {r["config"]: r for r in results if "error" not in r}
+    ratios = {}
+    if "lora" in peaks and "full" in peaks:
+        ratios["lora_over_full_peak"] = peaks["lora"]["peak_bytes"] / peaks["full"]["peak_bytes"]
+    if "lora-gc" in peaks and "full-gc" in peaks:
+        ratios["lora_gc_over_full_gc_peak"] = peaks["lora-gc"]["peak_bytes"] / peaks["full-gc"]["peak_bytes"]
+    if "full-gc-2x" in peaks and "full-gc" in peaks:
+        ratios["rows_doubled_peak"] = peaks["full-gc-2x"]["peak_bytes"] / peaks["full-gc"]["peak_bytes"]
+    if "score-152k" in peaks and "score-32k" in peaks:
+        ratios["score_152k_over_32k_above_model"] = (
+            peaks["score-152k"]["above_model_bytes"] / peaks["score-32k"]["above_model_bytes"]
+        )
+    for key, value in ratios.items():
+        print(f"{key}: {value:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {"shape": shape, "vocab": VOCAB, "threads": args.threads, "results": results, **ratios}, f, indent=2
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -7,7 +7,8 @@ import torch
 
 from models.checkpoint import load_policy
 from models.engines.embedded import EmbeddedEngine
-from models.engines.episodes import EpisodeEngine, EpisodeSession, EpisodeStart
+from models.engines.embedded_episodes import EmbeddedEpisodes
+from models.engines.episodes import EpisodeSession, EpisodeStart
 from models.engines.types import GroupRequest, SamplingParams
 
 PROMPTS = ["1+2=", "34+56=", "7+89=", "99+99=", "5+5="]
@@ -39,9 +40,8 @@ def _run(session, prompts, tok, *, turns: int, max_tokens: int = 6, temperature:
 @pytest.mark.parametrize("temperature", [1.0, 0.0])
 def test_kept_kv_gives_the_tokens_and_logprobs_of_a_full_reprefill_each_turn(tiny_policy_dir, temperature):
     engine, tok = _engine(tiny_policy_dir)
-    assert isinstance(engine, EpisodeEngine)
-    kept = engine.open_episodes(max_live=3, keep_kv=True)  # 5 episodes, 3 rows: some wait for room
-    again = engine.open_episodes(max_live=3, keep_kv=False)
+    kept = EmbeddedEpisodes(engine, max_live=3, keep_kv=True)  # 5 episodes, 3 rows: some wait for room
+    again = EmbeddedEpisodes(engine, max_live=3, keep_kv=False)
     assert isinstance(kept, EpisodeSession) and kept.keeps_kv and not again.keeps_kv
     a = _run(kept, PROMPTS, tok, turns=3, temperature=temperature)
     b = _run(again, PROMPTS, tok, turns=3, temperature=temperature)
@@ -67,7 +67,7 @@ def test_kept_kv_gives_the_tokens_and_logprobs_of_a_full_reprefill_each_turn(tin
 def test_first_turn_is_the_single_turn_engines_sample(tiny_policy_dir):
     """Turn 0 of an episode is what ``generate`` samples for a group of one with the same id: same seed, same noise."""
     engine, tok = _engine(tiny_policy_dir)
-    turns = _run(engine.open_episodes(max_live=4), PROMPTS[:2], tok, turns=1)
+    turns = _run(EmbeddedEpisodes(engine, max_live=4), PROMPTS[:2], tok, turns=1)
     sampling = SamplingParams(temperature=1.0, max_tokens=6, seed=11)
     for i, text in enumerate(PROMPTS[:2]):
         (sample,) = engine.generate([GroupRequest(f"ep{i}", tuple(tok(text)["input_ids"]), 1, sampling)])
@@ -85,7 +85,7 @@ def test_other_episodes_keep_decoding_while_one_waits_on_its_environment(tiny_po
     long = SamplingParams(temperature=1.0, max_tokens=40, seed=3, ignore_eos=True)
 
     def episode(delay_steps: int):
-        session = engine.open_episodes(max_live=4)
+        session = EmbeddedEpisodes(engine, max_live=4)
         session.start(EpisodeStart(episode_id="slow", prompt_token_ids=prompt, sampling=sampling))
         session.start(EpisodeStart(episode_id="busy", prompt_token_ids=prompt, sampling=long))
         turns, waited, steps = [], None, 0
@@ -112,9 +112,9 @@ def test_padded_cache_reprefills_each_turn_with_the_same_tokens(tiny_policy_dir)
     """A model the slot cache cannot serve still runs episodes, prefilling the whole sequence each turn."""
     slots, tok = _engine(tiny_policy_dir, "slots")
     padded, _ = _engine(tiny_policy_dir, "padded")
-    session = padded.open_episodes(max_live=3)
+    session = EmbeddedEpisodes(padded, max_live=3)
     assert not session.keeps_kv
-    a = _run(slots.open_episodes(max_live=3), PROMPTS[:3], tok, turns=2, temperature=0.0)
+    a = _run(EmbeddedEpisodes(slots, max_live=3), PROMPTS[:3], tok, turns=2, temperature=0.0)
     b = _run(session, PROMPTS[:3], tok, turns=2, temperature=0.0)
     for episode in a:
         assert [t.token_ids for t in a[episode]] == [t.token_ids for t in b[episode]]
@@ -122,7 +122,7 @@ def test_padded_cache_reprefills_each_turn_with_the_same_tokens(tiny_policy_dir)
 
 def test_extend_refuses_an_episode_that_is_still_decoding(tiny_policy_dir):
     engine, tok = _engine(tiny_policy_dir)
-    session = engine.open_episodes(max_live=2)
+    session = EmbeddedEpisodes(engine, max_live=2)
     session.start(EpisodeStart(episode_id="a", prompt_token_ids=(1, 5), sampling=SamplingParams(max_tokens=4)))
     with pytest.raises(ValueError, match="queued"):
         session.extend("a", [5])

@@ -145,13 +145,6 @@ class EmbeddedEngine(RolloutEngine):
         self._speculation = speculation
         return None
 
-    def open_episodes(self, *, max_live: int, keep_kv: bool = True):
-        """A session of multi-turn episodes on this engine's model (models/engines/episodes.py): ``EmbeddedEpisodes``,
-        which keeps each episode's KV cache between its turns on the slot cache."""
-        from models.engines.embedded_episodes import EmbeddedEpisodes  # it builds on this module
-
-        return EmbeddedEpisodes(self, max_live=max_live, keep_kv=keep_kv)
-
     def close(self) -> None:
         pass  # nothing outside this process: the model and its caches go with the object
 

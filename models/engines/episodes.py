@@ -6,7 +6,9 @@ policy's next turn, and so on. The engine never sees text: what the policy sampl
 (never decoded and encoded again, which need not give the same ids back), and an observation is appended as the
 ids the caller encoded it to. So the sequence the trainer scores is exactly the sequence that was sampled.
 
-``EpisodeEngine.open_episodes`` gives a session the caller drives one step at a time:
+A session (``EpisodeSession``) is opened on an engine and driven by the caller one step at a time; on the
+embedded engine it is ``EmbeddedEpisodes(engine, max_live=..., keep_kv=...)`` (models/engines/embedded_episodes.py),
+and another engine (vLLM) implements the same protocol:
 
     session.start(EpisodeStart(...))           # queue a new episode (its prompt)
     session.extend(episode_id, observation)    # queue its next turn: the observation's ids are appended
@@ -113,13 +115,4 @@ class EpisodeSession(Protocol):
 
     def sequence(self, episode_id: str) -> list[int]:
         """The episode's ids after its prompt so far: every turn's and every observation's, in order."""
-        ...
-
-
-@runtime_checkable
-class EpisodeEngine(Protocol):
-    """An engine that runs multi-turn episodes (the embedded engine; vLLM can implement it the same way)."""
-
-    def open_episodes(self, *, max_live: int, keep_kv: bool = True) -> EpisodeSession:
-        """A session of at most ``max_live`` episodes decoding at once (more wait their turn, in order)."""
         ...

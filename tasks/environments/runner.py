@@ -151,15 +151,15 @@ class EpisodeRunner:
         for prompt in prompts:
             for i in range(n):
                 records.append(self._start(prompt, f"{prompt.prompt_id}/{i}", live))
-        steps: dict[Future, tuple[str, float]] = {}
+        steps: dict[Future, str] = {}  # environment steps in flight -> their episode
         with ThreadPoolExecutor(self.env_workers, thread_name_prefix="episode-env") as workers:
             while live:
                 for future in [f for f in steps if f.done()]:
-                    episode_id, submitted = steps.pop(future)
+                    episode_id = steps.pop(future)
                     if episode_id in live:
-                        self._answered(live, episode_id, future.result(), time.perf_counter() - submitted, stats)
+                        self._answered(live, episode_id, *future.result(), stats)
                 now = time.perf_counter()
-                for future, (episode_id, _) in list(steps.items()):
+                for future, episode_id in list(steps.items()):
                     if episode_id in live and now > live[episode_id].deadline:  # abandoned: its thread may linger
                         steps.pop(future)
                         self._finish(live, episode_id, infra_error="the environment step did not return in time")
@@ -183,7 +183,7 @@ class EpisodeRunner:
                     )
                     state.deadline = time.perf_counter() + timeout + STEP_GRACE_S
                     future = workers.submit(self._step, state, timeout)
-                    steps[future] = (episode_id, time.perf_counter())
+                    steps[future] = episode_id
                     if not self.overlap:  # the engine waits on each step in turn
                         waited = time.perf_counter()
                         future.result()
@@ -238,12 +238,14 @@ class EpisodeRunner:
         )
         state.pending.append(turn)
 
-    def _step(self, state: _Live, timeout: float) -> StepResult:
-        """On a worker thread: the environment's answer to the turn just recorded."""
+    def _step(self, state: _Live, timeout: float) -> tuple[StepResult, float]:
+        """On a worker thread: the environment's answer to the turn just recorded, and the seconds it took."""
+        began = time.perf_counter()
         try:
-            return state.env.step(state.record.turns[-1].action_text, timeout_s=timeout)
+            result = state.env.step(state.record.turns[-1].action_text, timeout_s=timeout)
         except Exception as exc:  # noqa: BLE001 -- the environment's own bug: its failure, not the model's
-            return StepResult(Observation(""), done=True, infra_error=f"{type(exc).__name__}: {exc}")
+            result = StepResult(Observation(""), done=True, infra_error=f"{type(exc).__name__}: {exc}")
+        return result, time.perf_counter() - began
 
     def _answered(self, live: dict[str, _Live], episode_id: str, result: StepResult, seconds: float, stats) -> None:
         state = live[episode_id]

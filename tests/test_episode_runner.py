@@ -175,3 +175,63 @@ def test_the_calculator_scores_the_last_answer(pool):
     assert not env.step(call, timeout_s=5).done
     assert env.step(f"The answer is {prompt.reference}.", timeout_s=5).reward == 1.0
     assert env.step("The answer is 12.", timeout_s=5).reward == 0.0
+
+
+MY_ENV = '''
+from tasks.environments.types import Observation, ToolEnvironment
+
+
+def lookup(word: str) -> str:
+    """Look a word up in the dictionary.
+
+    Args:
+        word: the word to look up
+    """
+    import json  # a tool imports inside itself: it runs as its own source in the sandbox
+
+    return json.dumps({"word": word, "length": len(word)})
+
+
+class MyEnv(ToolEnvironment):
+    tool_functions = (lookup,)
+
+    def reset(self, prompt):
+        self.prompt = prompt
+        return Observation(prompt.text, system="Use the lookup tool, then answer: The answer is N.")
+
+    def score(self, answer_text):
+        return 1.0 if answer_text.strip().endswith(f"{self.prompt.reference}.") else 0.0
+'''
+
+
+def test_a_users_environment_module_named_in_config_runs_on_a_chat_model(chat, tmp_path, monkeypatch):
+    """docs/environments.md's example, as a package of the user's own: loaded by name, its tool in the sandbox, its
+    episodes on a chat-template model, each printed turn by turn."""
+    from tasks.environments.runner import describe_episode
+
+    package = tmp_path / "my_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "my_env.py").write_text(MY_ENV)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    factory = load_environment("my_pkg.my_env:MyEnv")
+    model, tok, stops = chat
+    engine = EmbeddedEngine(model, stops, tok.pad_token_id, max_batch=8)
+    with ToolPool(factory(None).tools, ToolPoolConfig(sandboxes=2)) as pool:
+        runner = EpisodeRunner(
+            EmbeddedEpisodes(engine, max_live=4),
+            tok,
+            factory,
+            pool,
+            budget=EpisodeBudget(max_turns=2, max_tokens=40, step_timeout_s=5),
+            sampling=SamplingParams(temperature=1.0, max_tokens=12, seed=2),
+        )
+        prompt = Prompt(prompt_id="w", task="words", text="How long is the word tool?", reference="4")
+        records, stats = runner.run([prompt], n=2)
+        # the tool is shown through the template (this one lists it in the system turn) and runs when called
+        assert "- lookup(word: string): Look a word up in the dictionary." in records[0].prompt_text
+        call = '<tool_call>{"name": "lookup", "arguments": {"word": "tool"}}</tool_call>'
+        assert factory(pool).step(call, timeout_s=5).observation.text == '{"word": "tool", "length": 4}'
+    assert stats.outcomes.keys() <= {"success", "model_failure"} and sum(stats.outcomes.values()) == 2
+    shown = describe_episode(records[0])
+    assert shown.startswith("episode w/0 (group w): ") and "  turn 0  policy " in shown

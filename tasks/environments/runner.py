@@ -92,6 +92,36 @@ class EpisodeRecord:
         return [v for turn in self.turns for v in (*turn.policy_versions, *[-1] * len(turn.observation_ids))]
 
 
+def describe_episode(record: EpisodeRecord, *, width: int = 100) -> str:
+    """An episode turn by turn, as a person reads it: each policy turn (its tokens, how it ended, its mean behaviour
+    logprob and versions) and the text it decoded to, then the observation appended after it (masked)."""
+
+    def clip(text: str) -> str:
+        text = text.replace("\n", "\\n")
+        return text if len(text) <= width else text[: width - 3] + "..."
+
+    reward = "none" if record.reward is None else f"{record.reward:g}"
+    lines = [
+        f"episode {record.episode_id} (group {record.group_id}): {record.outcome.value}, reward {reward}, "
+        f"{len(record.turns)} turns, {record.tool_seconds:.2f} s in tools"
+        + (f" ({record.error})" if record.error else ""),
+        f"  prompt  {len(record.prompt_token_ids)} tokens: {clip(record.prompt_text)}",
+    ]
+    for turn in record.turns:
+        mean = sum(turn.logprobs) / len(turn.logprobs) if turn.logprobs else 0.0
+        versions = ",".join(str(v) for v in sorted(set(turn.policy_versions)))
+        lines.append(
+            f"  turn {turn.turn}  policy {len(turn.token_ids)} tokens ({turn.finish_reason}), mean logprob {mean:.3f}, "
+            f"version {versions}, prefilled {turn.prefill_tokens}: {clip(turn.action_text)}"
+        )
+        if turn.observation_ids:
+            lines.append(
+                f"          observation {len(turn.observation_ids)} tokens (masked), step {turn.step_seconds:.2f} s: "
+                f"{clip(turn.observation_text)}"
+            )
+    return "\n".join(lines)
+
+
 @dataclass
 class RunnerStats:
     wall_s: float = 0.0

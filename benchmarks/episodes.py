@@ -2,7 +2,7 @@
 
     naive   turn after turn: every episode's turn is decoded, then every tool call runs, one after another, while
             the engine waits; each call starts a cold sandbox; each turn prefills the whole history again
-    design  the engine keeps decoding the other episodes while tools run (tasks/environments/runner.py overlap),
+    design  the engine keeps decoding the other episodes while tools run (tasks/environments/runner.py 'overlap'),
             tool calls go to a warm pool of sandboxes (tool_pool.py), and each episode's KV cache is kept between
             its turns (models/engines/embedded_episodes.py): a turn prefills only its observation
 
@@ -14,6 +14,10 @@ Figures (both measured here, ratios naive / design):
 - engine_wait_s: seconds the engine had nothing to decode because every unfinished episode waited on its tool;
 - prefill_tokens_per_episode: tokens prefilled per episode, the prompt and every later turn's (re-prefilling the
   history, as re-rendering the conversation each turn does, against appending the observation onto kept KV).
+
+Ablations (``--no-ablations`` skips them): the design with one part taken away at a time (cold sandboxes, the
+history re-prefilled each turn, turn after turn with a turn's tool calls together ('lockstep', the usual
+synchronous batched loop), turn after turn with every call in sequence), each as a ratio to the design's time.
 
 The policy is the chat example's shape (Qwen2, byte-level BPE, chat template) at random weights: learning is not
 needed for these figures. Every turn samples exactly ``--turn-tokens`` tokens (end-of-sequence ignored) so both
@@ -92,15 +96,26 @@ class LookupEnvironment(ToolEnvironment):
         return StepResult(Observation(reply.text), done=False, tool_seconds=reply.seconds)
 
 
-def collect(args, model, tok, prompts, *, design: bool) -> dict:
+WAYS = {  # name -> (the runner's schedule, warm pool, KV kept)
+    "naive": ("sequential", False, False),
+    "design": ("overlap", True, True),
+    # ablations: the design with one part taken away
+    "design_cold_sandboxes": ("overlap", False, True),
+    "design_reprefill": ("overlap", True, False),
+    "design_lockstep": ("lockstep", True, True),  # turn after turn, a turn's tool calls together
+    "design_sequential": ("sequential", True, True),  # turn after turn, tool calls one after another
+}
+
+
+def collect(args, model, tok, prompts, *, schedule: str, warm: bool, keep_kv: bool) -> dict:
     environment = partial(
         LookupEnvironment, turns=args.turns, median_s=args.tool_median_s, sigma=math.log(args.p99_over_median) / 2.3263
     )
     tools = LookupEnvironment(None, turns=1, median_s=0, sigma=0).tools
-    pool_config = ToolPoolConfig(sandboxes=args.sandboxes, warm=design)
+    pool_config = ToolPoolConfig(sandboxes=args.sandboxes, warm=warm)
     with ToolPool(tools, pool_config) as pool:
         engine = EmbeddedEngine(model, [tok.eos_token_id, tok.pad_token_id], tok.pad_token_id, max_batch=args.episodes)
-        session = EmbeddedEpisodes(engine, max_live=args.episodes, keep_kv=design)
+        session = EmbeddedEpisodes(engine, max_live=args.episodes, keep_kv=keep_kv)
         runner = EpisodeRunner(
             session,
             tok,
@@ -108,7 +123,7 @@ def collect(args, model, tok, prompts, *, design: bool) -> dict:
             pool,
             budget=EpisodeBudget(max_turns=args.turns, max_tokens=args.turns * args.turn_tokens + 1, step_timeout_s=60),
             sampling=SamplingParams(temperature=1.0, max_tokens=args.turn_tokens, seed=args.seed, ignore_eos=True),
-            overlap=design,
+            schedule=schedule,
             env_workers=args.episodes,
         )
         began = time.perf_counter()
@@ -143,6 +158,7 @@ def main() -> None:
         help="torch threads (2 on a busy 2-core machine made every step pay for OpenMP)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-ablations", action="store_true", help="only naive and design (not each part removed)")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
     if os.geteuid() != 0:
@@ -154,11 +170,14 @@ def main() -> None:
     ]
     model, tok = random_chat_policy([p.text for p in prompts] + ["record status ok fields"], seed=args.seed)
     figures: dict = {"config": vars(args), "cpu": _cpu(), "python": platform.python_version()}
-    for name, design in (("naive", False), ("design", True)):
-        figures[name] = collect(args, model, tok, prompts, design=design)
+    ways = ["naive", "design"] if args.no_ablations else list(WAYS)
+    for name in ways:
+        schedule, warm, keep_kv = WAYS[name]
+        figures[name] = collect(args, model, tok, prompts, schedule=schedule, warm=warm, keep_kv=keep_kv)
         shown = {k: round(v, 3) if isinstance(v, float) else v for k, v in figures[name].items() if k != "tokens"}
-        print(f"{name:7s} {shown}", flush=True)
-    same = figures["naive"].pop("tokens") == figures["design"].pop("tokens")
+        print(f"{name:22s} {shown}", flush=True)
+    tokens = [figures[name].pop("tokens") for name in ways]
+    same = all(t == tokens[0] for t in tokens)
     naive, design = figures["naive"], figures["design"]
     figures["ratios"] = {
         "time_to_trainable_batch": naive["time_to_trainable_batch_s"] / design["time_to_trainable_batch_s"],
@@ -177,7 +196,12 @@ def main() -> None:
         "(goal 2x)"
     )
     print(f"engine waiting on tools: naive {naive['engine_wait_s']:.2f}s, design {design['engine_wait_s']:.2f}s")
-    print(f"same tokens both ways: {same}")
+    for name in ways[2:]:
+        print(
+            f"  {name}: {figures[name]['time_to_trainable_batch_s']:.2f}s, "
+            f"{figures[name]['time_to_trainable_batch_s'] / design['time_to_trainable_batch_s']:.2f}x the design's"
+        )
+    print(f"same tokens every way: {same}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=2)

@@ -1,6 +1,6 @@
 """Episodes end to end on a chat model (random weights, byte-level BPE, a chat template): the runner keeps the
 policy's ids as sampled and appends observations as encoded, the budgets and the step timeout end episodes with the
-outcome the rules give, and the two schedules (overlapped, turn after turn) produce the same episodes."""
+outcome the rules give, and the schedules (overlapped, turn after turn) produce the same episodes."""
 
 import os
 from functools import partial
@@ -81,7 +81,7 @@ def pool():
         yield p
 
 
-def _run(chat, pool, script, *, budget=None, overlap=True, keep_kv=True, n=2):
+def _run(chat, pool, script, *, budget=None, schedule="overlap", keep_kv=True, n=2):
     model, tok, stops = chat
     engine = EmbeddedEngine(model, stops, tok.pad_token_id, max_batch=8)
     session = EmbeddedEpisodes(engine, max_live=4, keep_kv=keep_kv)
@@ -92,7 +92,7 @@ def _run(chat, pool, script, *, budget=None, overlap=True, keep_kv=True, n=2):
         pool,
         budget=budget or EpisodeBudget(max_turns=4, max_tokens=64, step_timeout_s=5),
         sampling=SamplingParams(temperature=1.0, max_tokens=10, seed=5),
-        overlap=overlap,
+        schedule=schedule,
     )
     records, stats = runner.run(PROMPTS, n=n)
     return records, stats, session
@@ -125,10 +125,10 @@ def test_policy_ids_are_kept_as_sampled_and_observations_are_appended_and_masked
     assert stats.reused_tokens > 0  # turns after the first appended onto their kept cache
 
 
-def test_both_schedules_and_both_caches_give_the_same_episodes(chat, pool):
+def test_every_schedule_and_both_caches_give_the_same_episodes(chat, pool):
     a, _, _ = _run(chat, pool, TWO_CALLS)
-    b, stats, _ = _run(chat, pool, TWO_CALLS, overlap=False, keep_kv=False)
-    again, _, _ = _run(chat, pool, TWO_CALLS)
+    b, stats, _ = _run(chat, pool, TWO_CALLS, schedule="sequential", keep_kv=False)
+    again, _, _ = _run(chat, pool, TWO_CALLS, schedule="lockstep")
     assert stats.reused_tokens == 0
     for x, y, z in zip(a, b, again):
         assert x.token_ids == y.token_ids == z.token_ids and x.outcome == y.outcome and x.reward == y.reward

@@ -1,13 +1,15 @@
 """The episode runner: N episodes at once against an episode session (models/engines/episodes.py) and their
 environments, whose tools run in the shared warm sandbox pool. Pure orchestration: no tensors here.
 
-Two schedules, the same episodes:
+Three schedules, the same episodes:
 
-    overlap=True    a turn that ends goes to its environment on a worker thread and the engine keeps decoding the
-                    other episodes; an answer that comes back is appended and the episode rejoins the batch. The
-                    engine waits only when every unfinished episode is waiting on its environment.
-    overlap=False   turn after turn (the common synchronous loop): every episode's turn is decoded, then every
-                    environment step runs, one after another, while the engine waits; then the next turn.
+    overlap      a turn that ends goes to its environment on a worker thread and the engine keeps decoding the
+                 other episodes; an answer that comes back is appended and the episode rejoins the batch. The
+                 engine waits only when every unfinished episode is waiting on its environment.
+    lockstep     turn after turn (the common synchronous batched loop): every episode's turn is decoded, then the
+                 environment steps of that turn run together while the engine waits for the slowest; then the
+                 next turn.
+    sequential   turn after turn, and the environment steps one after another (the engine waits on every one).
 
 Budgets (``EpisodeBudget``) are enforced here: turns, policy tokens (a turn also stops at what is left), tool
 seconds, and the step timeout (the environment gets it; a step that does not return within it plus
@@ -20,10 +22,12 @@ trainer scores and which of its tokens are the policy's (observations are masked
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
+from typing import Literal
 
 from models.engines.episodes import EpisodeSession, EpisodeStart, PolicyTurn
 from models.engines.types import SamplingParams
@@ -33,6 +37,8 @@ from tasks.environments.rendering import EpisodeFormat
 from tasks.environments.tool_pool import ToolPool
 from tasks.environments.types import Environment, EnvironmentFactory, Observation, StepResult, episode_outcome
 from tasks.verifiers.outcome import Outcome
+
+Schedule = Literal["overlap", "lockstep", "sequential"]
 
 STEP_GRACE_S = 2.0
 """Seconds past the step timeout the runner waits for an environment that should have stopped its own tool call."""
@@ -158,7 +164,7 @@ class EpisodeRunner:
         *,
         budget: EpisodeBudget,
         sampling: SamplingParams,
-        overlap: bool = True,
+        schedule: Schedule = "overlap",
         env_workers: int = 16,
     ) -> None:
         self.session = session
@@ -167,7 +173,7 @@ class EpisodeRunner:
         self.pool = pool
         self.budget = budget
         self.sampling = replace(sampling, max_tokens=min(sampling.max_tokens, budget.max_tokens))
-        self.overlap = overlap
+        self.schedule = schedule
         self.env_workers = env_workers
         self._format: EpisodeFormat | None = None
 
@@ -182,7 +188,8 @@ class EpisodeRunner:
             for i in range(n):
                 records.append(self._start(prompt, f"{prompt.prompt_id}/{i}", live))
         steps: dict[Future, str] = {}  # environment steps in flight -> their episode
-        with ThreadPoolExecutor(self.env_workers, thread_name_prefix="episode-env") as workers:
+        workers_count = 1 if self.schedule == "sequential" else self.env_workers  # sequential: one step at a time
+        with ThreadPoolExecutor(workers_count, thread_name_prefix="episode-env") as workers:
             while live:
                 for future in [f for f in steps if f.done()]:
                     episode_id = steps.pop(future)
@@ -193,35 +200,24 @@ class EpisodeRunner:
                     if episode_id in live and now > live[episode_id].deadline:  # abandoned: its thread may linger
                         steps.pop(future)
                         self._finish(live, episode_id, infra_error="the environment step did not return in time")
-                if self.session.busy:
-                    for turn in self.session.step():
-                        self._turn_ended(live, turn)
-                        state = live[turn.episode_id]
-                        if turn.finish_reason == "length" and state.policy_tokens >= self.budget.max_tokens:
-                            state.pending.clear()  # cut off by its token budget: no answer to score
-                            self._finish(
-                                live, turn.episode_id, exhausted=f"no answer within max_tokens={self.budget.max_tokens}"
-                            )
-                    if not self.overlap and self.session.busy:
-                        continue  # turn after turn: every episode's turn ends before any environment runs
-                ready = [(eid, t) for eid, state in live.items() for t in state.pending]
-                for episode_id, _ in ready:
-                    state = live[episode_id]
-                    state.pending.clear()
-                    timeout = max(
-                        min(self.budget.step_timeout_s, self.budget.max_tool_seconds - state.record.tool_seconds), 0.0
-                    )
-                    state.deadline = time.perf_counter() + timeout + STEP_GRACE_S
-                    future = workers.submit(self._step, state, timeout)
-                    steps[future] = episode_id
-                    if not self.overlap:  # the engine waits on each step in turn
-                        waited = time.perf_counter()
-                        future.result()
-                        stats.engine_wait_s += time.perf_counter() - waited
-                if not self.session.busy and steps and self.overlap:
+                if steps and (self.schedule != "overlap" or not self.session.busy):
+                    # turn after turn, the engine waits for every step of the turn; overlapped, only when it has
+                    # nothing left to decode
                     waited = time.perf_counter()
                     wait(list(steps), timeout=0.05, return_when=FIRST_COMPLETED)
                     stats.engine_wait_s += time.perf_counter() - waited
+                    if self.schedule != "overlap":
+                        continue
+                if self.session.busy:
+                    for turn in self.session.step():
+                        self._turn_ended(live, turn)
+                    if self.schedule != "overlap" and self.session.busy:
+                        continue  # turn after turn: every episode's turn ends before any environment runs
+                for episode_id in [eid for eid, state in live.items() if state.pending]:
+                    state = live[episode_id]
+                    state.pending.clear()
+                    state.deadline = math.inf  # set when the step starts: a step queued for a worker is not late
+                    steps[workers.submit(self._step, state)] = episode_id
         stats.wall_s = time.perf_counter() - began
         session_stats = self.session.stats
         stats.decode_steps, stats.prefill_tokens = session_stats.decode_steps, session_stats.prefill_tokens
@@ -266,11 +262,17 @@ class EpisodeRunner:
                 prefill_tokens=turn.prefill_tokens,
             )
         )
+        if turn.finish_reason == "length" and state.policy_tokens >= self.budget.max_tokens:
+            self._finish(live, turn.episode_id, exhausted=f"no answer within max_tokens={self.budget.max_tokens}")
+            return  # cut off by its token budget: no answer to score
         state.pending.append(turn)
 
-    def _step(self, state: _Live, timeout: float) -> tuple[StepResult, float]:
+    def _step(self, state: _Live) -> tuple[StepResult, float]:
         """On a worker thread: the environment's answer to the turn just recorded, and the seconds it took."""
         began = time.perf_counter()
+        budget = self.budget
+        timeout = max(min(budget.step_timeout_s, budget.max_tool_seconds - state.record.tool_seconds), 0.0)
+        state.deadline = began + timeout + STEP_GRACE_S
         try:
             result = state.env.step(state.record.turns[-1].action_text, timeout_s=timeout)
         except Exception as exc:  # noqa: BLE001 -- the environment's own bug: its failure, not the model's

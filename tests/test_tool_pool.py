@@ -158,3 +158,15 @@ def test_a_cold_pool_starts_a_sandbox_per_call():
     with ToolPool(TOOLS, ToolPoolConfig(sandboxes=2, warm=False)) as pool:
         assert [pool.call("add", {"a": i, "b": 1}, timeout_s=10).text for i in range(3)] == ["1", "2", "3"]
         assert pool.stats.cold_starts == 3
+
+
+@needs_root
+@pytest.mark.parametrize("warm", [True, False])
+def test_tools_that_cannot_load_make_every_call_an_infra_failure(warm):
+    """A template that cannot load its tools is the environment's failure, warm or cold: never the model's."""
+    broken = Tool(
+        "broken", "Fails to load.", {"type": "object", "properties": {}, "required": []}, "raise SystemExit(1)\n"
+    )
+    with ToolPool([broken], ToolPoolConfig(sandboxes=1, warm=warm)) as pool:
+        reply = pool.call("broken", {}, timeout_s=5)
+        assert reply.infra is not None and not reply.error and pool.stats.infra_failures == 1

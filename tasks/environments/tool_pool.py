@@ -235,44 +235,50 @@ class ToolPool:
             self._idle.put(sandbox)
 
     def call(self, name: str, arguments: dict, *, timeout_s: float) -> ToolReply:
+        """Run one tool call within ``timeout_s`` seconds (a cold sandbox's start included); never raises for what
+        the call did (the module doc's table)."""
         began = time.perf_counter()
+        sandbox: ToolSandbox | None = None
         if self.config.warm:
             sandbox = self._idle.get()
         else:
             self._slots.acquire()
-            sandbox = None
         waited = time.perf_counter() - began
-        started = time.perf_counter()
         try:
-            if sandbox is None and not self.config.warm:
+            if not self.config.warm:
                 with self._lock:
                     self.stats.cold_starts += 1
                 sandbox = ToolSandbox(self.source, self.config.limits)
-            elif sandbox is None:  # a replacement that could not start: try once more, in the background
+            elif sandbox is None:  # a replacement that could not start: ask for another, in the background
                 self._starts.put(True)
                 raise SandboxStartError("no tool sandbox could be started")
-            reply = sandbox.call(name, arguments, max(timeout_s - (time.perf_counter() - started), 0.0))
+            reply = sandbox.call(name, arguments, max(timeout_s - (time.perf_counter() - began - waited), 0.0))
         except (SandboxHung, SandboxStartError) as exc:
+            self._discard(sandbox)
+            why = f"the tool call hung past {timeout_s:g}s" if isinstance(exc, SandboxHung) else str(exc)
+            return self._done(ToolReply(text="", infra=why), began + waited, waited)
+        if self.config.warm:
+            self._idle.put(sandbox)  # the template is unchanged by the call (it ran in a fork): reuse it
+        else:
+            sandbox.close()
+            self._slots.release()
+        if "crash" in reply:
+            return self._done(ToolReply(text="", infra=reply["crash"]), began + waited, waited)
+        if "error" in reply:
+            return self._done(ToolReply(text=f"Error: {reply['error']}", error=True), began + waited, waited)
+        return self._done(ToolReply(text=reply["ok"]), began + waited, waited)
+
+    def _discard(self, sandbox: ToolSandbox | None) -> None:
+        """Stop a sandbox that hung or died; a warm pool starts its replacement in the background."""
+        if sandbox is not None:
+            sandbox.close()
+        if self.config.warm:
             if sandbox is not None:
-                sandbox.close()
-            if self.config.warm and sandbox is not None:
                 with self._lock:
                     self.stats.replacements += 1
                 self._starts.put(True)
-            why = f"the tool call hung past {timeout_s:g}s" if isinstance(exc, SandboxHung) else str(exc)
-            return self._done(ToolReply(text="", infra=why), started, waited)
-        finally:
-            if not self.config.warm:
-                self._slots.release()
-        if self.config.warm:
-            self._idle.put(sandbox)
         else:
-            sandbox.close()
-        if "crash" in reply:
-            return self._done(ToolReply(text="", infra=reply["crash"]), started, waited)
-        if "error" in reply:
-            return self._done(ToolReply(text=f"Error: {reply['error']}", error=True), started, waited)
-        return self._done(ToolReply(text=reply["ok"]), started, waited)
+            self._slots.release()
 
     def _done(self, reply: ToolReply, started: float, waited: float) -> ToolReply:
         seconds = time.perf_counter() - started

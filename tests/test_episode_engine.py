@@ -128,3 +128,27 @@ def test_extend_refuses_an_episode_that_is_still_decoding(tiny_policy_dir):
         session.extend("a", [5])
     with pytest.raises(ValueError, match="already started"):
         session.start(EpisodeStart(episode_id="a", prompt_token_ids=(1, 5), sampling=SamplingParams(max_tokens=4)))
+
+
+def test_restored_rows_with_tails_of_different_lengths_match_a_fresh_prefill(tiny_policy_dir):
+    """The cache itself: three rows set aside, restored together beside live rows with tails of 1, 5 and 9 tokens
+    (right-padded in one append pass), give the logits a fresh prefill of their whole sequences gives, and so does
+    the decode step after (the padding's keys are never read)."""
+    from models.engines.embedded_episodes import EpisodeSlotCache
+    from models.engines.kv_cache import SlotCache
+
+    model, tok = load_policy(tiny_policy_dir)
+    seqs = [tuple(tok(p)["input_ids"]) for p in PROMPTS]
+    tails = [(), (), (6,), (7, 8, 9, 10, 11), (12, 13, 14, 15, 4, 5, 6, 7, 8)]  # rows 0, 1 stay live
+    with torch.inference_mode():
+        cache = EpisodeSlotCache(model, 8, tok.pad_token_id)
+        cache.admit(seqs, list(range(len(seqs))), 64)
+        kept = [cache.save(row) for row in (2, 3, 4)]
+        assert cache.retire([0, 1]) == [0, 1]
+        restored = cache.restore(kept, tails[2:], 64)
+        fresh = SlotCache(model, 8, tok.pad_token_id)
+        expected = fresh.admit([s + t for s, t in zip(seqs, tails)], list(range(5)), 64)
+        assert torch.allclose(restored, expected[2:], atol=1e-5)
+        step = torch.tensor([3, 4, 5, 6, 7])
+        assert torch.allclose(cache.step(step), fresh.step(step), atol=1e-5)
+        assert cache.lengths[:5].tolist() == [len(s) + len(t) + 1 for s, t in zip(seqs, tails)]

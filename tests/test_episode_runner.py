@@ -235,3 +235,38 @@ def test_a_users_environment_module_named_in_config_runs_on_a_chat_model(chat, t
     assert stats.outcomes.keys() <= {"success", "model_failure"} and sum(stats.outcomes.values()) == 2
     shown = describe_episode(records[0])
     assert shown.startswith("episode w/0 (group w): ") and "  turn 0  policy " in shown
+
+
+class StuckEnvironment(ScriptedEnvironment):
+    """An environment whose own code ignores its step timeout and never comes back in time."""
+
+    def step(self, action_text: str, *, timeout_s: float) -> StepResult:
+        import time
+
+        time.sleep(3)
+        return StepResult(Observation("late"), done=False)
+
+
+def test_an_environment_that_ignores_its_timeout_is_abandoned_as_an_infra_failure(chat, pool, monkeypatch):
+    """The runner's own guard: past the step timeout plus the grace, the step is abandoned (its thread may run on)
+    and the batch does not wait for it."""
+    import time
+
+    from tasks.environments import runner as runner_module
+
+    monkeypatch.setattr(runner_module, "STEP_GRACE_S", 0.2)
+    model, tok, stops = chat
+    engine = EmbeddedEngine(model, stops, tok.pad_token_id, max_batch=8)
+    runner = EpisodeRunner(
+        EmbeddedEpisodes(engine, max_live=4),
+        tok,
+        partial(StuckEnvironment, script=[]),
+        pool,
+        budget=EpisodeBudget(step_timeout_s=0.3),
+        sampling=SamplingParams(temperature=1.0, max_tokens=6, seed=5),
+    )
+    began = time.perf_counter()
+    records, stats = runner.run(PROMPTS[:1], n=2)
+    assert time.perf_counter() - began < 2.5  # not the 3 s the stuck steps take
+    assert [r.outcome for r in records] == [Outcome.INFRA_FAILURE] * 2
+    assert records[0].error == "the environment step did not return in time"

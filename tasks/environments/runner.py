@@ -149,7 +149,7 @@ class _Live:
     env: Environment
     policy_tokens: int = 0
     deadline: float = 0.0  # of the step in flight
-    pending: list[PolicyTurn] = field(default_factory=list)
+    step_due: bool = False  # its turn ended and its environment step is not submitted yet
 
 
 class EpisodeRunner:
@@ -181,7 +181,7 @@ class EpisodeRunner:
         """``n`` episodes of each prompt (a group per prompt); their records in prompt order, and the batch's stats."""
         began = time.perf_counter()
         stats = RunnerStats()
-        pool_wait = self.pool.stats.wait_s
+        pool_wait, before = self.pool.stats.wait_s, replace(self.session.stats)
         live: dict[str, _Live] = {}
         records: list[EpisodeRecord] = []
         for prompt in prompts:
@@ -189,7 +189,8 @@ class EpisodeRunner:
                 records.append(self._start(prompt, f"{prompt.prompt_id}/{i}", live))
         steps: dict[Future, str] = {}  # environment steps in flight -> their episode
         workers_count = 1 if self.schedule == "sequential" else self.env_workers  # sequential: one step at a time
-        with ThreadPoolExecutor(workers_count, thread_name_prefix="episode-env") as workers:
+        workers = ThreadPoolExecutor(workers_count, thread_name_prefix="episode-env")
+        try:
             while live:
                 for future in [f for f in steps if f.done()]:
                     episode_id = steps.pop(future)
@@ -213,15 +214,18 @@ class EpisodeRunner:
                         self._turn_ended(live, turn)
                     if self.schedule != "overlap" and self.session.busy:
                         continue  # turn after turn: every episode's turn ends before any environment runs
-                for episode_id in [eid for eid, state in live.items() if state.pending]:
+                for episode_id in [eid for eid, state in live.items() if state.step_due]:
                     state = live[episode_id]
-                    state.pending.clear()
+                    state.step_due = False
                     state.deadline = math.inf  # set when the step starts: a step queued for a worker is not late
                     steps[workers.submit(self._step, state)] = episode_id
+        finally:
+            workers.shutdown(wait=False, cancel_futures=True)  # an abandoned step must not hold the batch
         stats.wall_s = time.perf_counter() - began
-        session_stats = self.session.stats
-        stats.decode_steps, stats.prefill_tokens = session_stats.decode_steps, session_stats.prefill_tokens
-        stats.reused_tokens = session_stats.reused_tokens
+        after = self.session.stats
+        stats.decode_steps = after.decode_steps - before.decode_steps
+        stats.prefill_tokens = after.prefill_tokens - before.prefill_tokens
+        stats.reused_tokens = after.reused_tokens - before.reused_tokens
         stats.sandbox_wait_s = self.pool.stats.wait_s - pool_wait
         for r in records:
             stats.outcomes[r.outcome.value] = stats.outcomes.get(r.outcome.value, 0) + 1
@@ -265,7 +269,7 @@ class EpisodeRunner:
         if turn.finish_reason == "length" and state.policy_tokens >= self.budget.max_tokens:
             self._finish(live, turn.episode_id, exhausted=f"no answer within max_tokens={self.budget.max_tokens}")
             return  # cut off by its token budget: no answer to score
-        state.pending.append(turn)
+        state.step_due = True
 
     def _step(self, state: _Live) -> tuple[StepResult, float]:
         """On a worker thread: the environment's answer to the turn just recorded, and the seconds it took."""

@@ -26,7 +26,7 @@ import torch
 
 from models.engines.embedded import EmbeddedEngine, _pairs, sample_tokens
 from models.engines.episodes import EpisodeStart, PolicyTurn, SessionStats
-from models.engines.kv_cache import PaddedCache, SlotCache, distinct_inputs
+from models.engines.kv_cache import PaddedCache, SlotCache, distinct_inputs, slot_cache_applies
 from models.engines.types import GroupRequest, sample_seed
 
 
@@ -127,7 +127,9 @@ class EmbeddedEpisodes:
     def __init__(self, engine: EmbeddedEngine, *, max_live: int, keep_kv: bool = True) -> None:
         self.engine = engine
         self.max_live = max_live
-        slots = engine.kv_cache == "slots"
+        # the session's own cache holds max_live rows: the slot cache must fit that many, not the engine's max_batch
+        positions = getattr(engine.model.config, "max_position_embeddings", None) or 4096
+        slots = engine.kv_cache == "slots" and slot_cache_applies(engine.model, max_live, positions) is None
         self.keeps_kv = keep_kv and slots
         if slots:
             self.cache: SlotCache | PaddedCache = EpisodeSlotCache(engine.model, max_live, engine.pad_token_id)

@@ -162,7 +162,7 @@ LAZY_THIRD_PARTY = {"vllm", "ray", "s3fs", "boto3", "math_verify"}
 """Packages a path may never need, imported where that path starts (each with a comment saying why):
 vLLM and Ray for their engines and verifiers, an S3 client for s3:// roots, math-verify (SymPy) in the
 math verifier's worker."""
-SELF_CONTAINED = {"tasks.verifiers.sandbox_child"}
+SELF_CONTAINED = {"tasks.verifiers.sandbox_child", "tasks.environments.tool_child"}
 """Modules whose functions' source runs in another interpreter (the sandbox), so each imports its own."""
 
 

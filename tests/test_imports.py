@@ -241,6 +241,7 @@ WINGS = (
     "config",
     "round",
     "verifiers",
+    "environments",
     "prompts",
     "serving",
     "filter",

@@ -53,9 +53,12 @@ class ScriptedEnvironment(ToolEnvironment):
         super().__init__(pool)
         self.script = list(script)
 
+    def score(self, answer_text: str) -> float:
+        return float(len(answer_text) % 2 == 0)
+
     def step(self, action_text: str, *, timeout_s: float) -> StepResult:
         if not self.script:
-            return StepResult(Observation(""), done=True, reward=float(len(action_text) % 2 == 0))
+            return StepResult(Observation(""), done=True, reward=self.score(action_text))
         name, arguments = self.script.pop(0)
         reply = self.pool.call(name, arguments, timeout_s=timeout_s)
         if reply.infra is not None:

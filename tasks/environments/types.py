@@ -16,6 +16,7 @@ tool call out of the action, runs it in the warm sandbox pool, and scores the fi
 from __future__ import annotations
 
 import importlib
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -82,7 +83,7 @@ def load_environment(spec: str) -> EnvironmentFactory:
     return factory
 
 
-class ToolEnvironment:
+class ToolEnvironment(ABC):
     """An environment whose policy calls tools and then answers: subclasses set ``tool_functions`` and define
     ``reset`` and ``score``. A turn with a tool call runs it in the pool; a turn without one is the final answer.
 
@@ -100,8 +101,9 @@ class ToolEnvironment:
         self.prompt = prompt
         return Observation(prompt.text)
 
+    @abstractmethod
     def score(self, answer_text: str) -> float | None:
-        raise NotImplementedError
+        """The reward of the final answer (a turn without a tool call); None: it cannot be scored."""
 
     def step(self, action_text: str, *, timeout_s: float) -> StepResult:
         try:
@@ -115,8 +117,8 @@ class ToolEnvironment:
             return StepResult(Observation(""), done=True, infra_error=reply.infra, tool_seconds=reply.seconds)
         return StepResult(Observation(reply.text), done=False, tool_seconds=reply.seconds)
 
-    def close(self) -> None:
-        pass
+    def close(self) -> None:  # noqa: B027 -- most environments hold nothing beyond the shared pool
+        """Release what the episode holds (nothing here: the tool pool is shared and closed by its owner)."""
 
 
 # -- the outcome of an episode ------------------------------------------------------------------------

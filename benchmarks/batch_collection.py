@@ -91,23 +91,22 @@ def slot_idle_seconds(rows: list[dict], start: float, end: float, slots: int) ->
 
 def collection_round(engine, tokenizer, rc, mode: str, seed: int, round_index: int, carried: list) -> dict:
     from tasks.filter.stage import apply_decisions, decide, length_bias
-    from tasks.rollout.stage import generate_and_verify
+    from tasks.rollout.collection import RolloutCollection
 
     steps_before = engine.decode_steps
     start = time.time()
-    result = generate_and_verify(
+    result = RolloutCollection(
         engine,
         tokenizer,
-        rc.prompts,
-        rollout_for(rc.rollout, mode),
-        rc.verify_resolved,
-        rc.filter,
-        rc.target_groups,
-        seed,
-        "batch-collection",
-        round_index,
-        carried_rows=carried,
-    )
+        prompts=rc.prompts,
+        rollout=rollout_for(rc.rollout, mode),
+        verify=rc.verify_resolved,
+        filtering=rc.filter,
+        target_groups=rc.target_groups,
+        seed=seed,
+        run_id="batch-collection",
+        round_index=round_index,
+    ).collect(carried_rows=carried)
     end = time.time()
     ready, carry_out = [asdict(r) for r in result.rows], [asdict(r) for r in result.carry_rows]
     rows = apply_decisions(ready, decide(ready, rc.filter), rc.target_groups)
@@ -302,7 +301,7 @@ def main() -> None:
     from storage import checkpoints
     from storage.paths import StorageRoot
     from tasks.campaign.base_policy import run_prepare_base
-    from tasks.serving.engines import build_engine, close_engine, load_tokenizer
+    from tasks.serving.engines import build_engine, load_tokenizer
 
     rc = campaign_config.round
     if args.env_median_s is not None:  # how the modes compare as the environment answers faster or slower
@@ -326,7 +325,14 @@ def main() -> None:
         device=rc.device,
     )
     local = checkpoints.local_copy(StorageRoot.of(args.storage), base.checkpoint)
-    engine = build_engine(rc.rollout.engine, local, rc.rollout.dtype, 0, rc.rollout.max_batch, device=rc.device)
+    engine = build_engine(
+        rc.rollout.engine,
+        local,
+        dtype=rc.rollout.dtype,
+        policy_version=0,
+        max_batch=rc.rollout.max_batch,
+        device=rc.device,
+    )
     tokenizer = load_tokenizer(local)
     print(
         f"collection: preset {args.preset}, {rc.target_groups} trainable groups x {rc.rollout.samples_per_prompt} "
@@ -337,7 +343,7 @@ def main() -> None:
     try:
         figures: dict = {"collection": collection(engine, tokenizer, rc, rounds, args.seed)}
     finally:  # a vLLM engine's core process would take CPU from the campaigns, which start their own
-        close_engine(engine)
+        engine.close()
     col = figures["collection"]
     print("\ncollection, means per round:")
     print(

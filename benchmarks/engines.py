@@ -81,7 +81,7 @@ def main() -> None:
     import torch
     from transformers.utils import logging as hf_logging
 
-    from tasks.serving.engines import build_engine, close_engine, load_tokenizer
+    from tasks.serving.engines import build_engine, load_tokenizer
 
     hf_logging.set_verbosity_error()
     start = time.perf_counter()
@@ -101,14 +101,16 @@ def main() -> None:
             params = save_model(directory, hidden, layers, heads, ffn)
             tokenizer = load_tokenizer(directory)
             batch = prompts * args.samples
-            embedded = build_engine("embedded", directory, args.dtype, 0, max_batch=batch, device=args.device)
+            embedded = build_engine(
+                "embedded", directory, dtype=args.dtype, policy_version=0, max_batch=batch, device=args.device
+            )
             emb = tokens_per_s(embedded, tokenizer, prompts, args.samples, args.tokens, args.repeats)
             del embedded
             started = time.perf_counter()
-            engine = build_engine("vllm", directory, args.dtype, 0, max_batch=batch)
+            engine = build_engine("vllm", directory, dtype=args.dtype, policy_version=0, max_batch=batch)
             startup = time.perf_counter() - started
             fast = tokens_per_s(engine, tokenizer, prompts, args.samples, args.tokens, args.repeats)
-            close_engine(engine)
+            engine.close()
         label = f"{name} ({params / 1e6:.2f}M)"
         print(f"{label:<26}{prompts:>8}{emb:>16,.0f}{fast:>12,.0f}{fast / emb:>14.2f}x{startup:>11.1f}s", flush=True)
 

@@ -98,7 +98,7 @@ def main() -> None:
     engine, tokenizer = make_engine(
         rc.rollout.engine,
         base.checkpoint,
-        rc.rollout.dtype,
+        dtype=rc.rollout.dtype,
         policy_version=0,
         max_batch=rc.rollout.max_batch,
         device=args.device,

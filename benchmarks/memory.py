@@ -166,7 +166,17 @@ def run_train(spec: dict) -> dict:
     with tempfile.TemporaryDirectory(prefix="rlrounds-memory-") as out:
         started = time.perf_counter()
         stats, _ = stage.train_here(
-            spec["policy"], None, batches, config, 1.0, 0, [False], out, torch.device("cpu"), "fp32", None
+            spec["policy"],
+            None,
+            batches,
+            config=config,
+            temperature=1.0,
+            current_version=0,
+            recompute=[False],
+            out=out,
+            device=torch.device("cpu"),
+            precision="fp32",
+            progress=None,
         )
         timings["train_s"] = stats["train/update_s"]
         timings["stage_s"] = time.perf_counter() - started  # load + update + save

@@ -2,7 +2,7 @@
 
 For each engine (embedded, vLLM) and model size, a serving engine is started on checkpoint A; then
 ``--repeats`` times a new checkpoint (A and B alternating, both committed on local disk beforehand)
-is published to it through the same call the round's publish stage makes (tasks.serving.engines.serving_engine):
+is published to it through the same call the round's publish stage makes (LiveEngines.serve, tasks/serving/live.py):
 
     latency  checkpoint on disk -> the engine serves it (read, load in place, prefix cache reset)
     pause    the part of that during which the engine could not serve (what the engine reports)
@@ -38,7 +38,7 @@ def main() -> None:
     from transformers.utils import logging as hf_logging
 
     from models.engines.types import GroupRequest, SamplingParams
-    from tasks.serving.engines import drop_serving_engines, serving_engine
+    from tasks.serving.live import LiveEngines
 
     hf_logging.set_verbosity_error()
     print(
@@ -56,7 +56,10 @@ def main() -> None:
             save_model(b, hidden, layers, heads, ffn, seed=1)
             for kind in args.engines.split(","):
                 started = time.perf_counter()
-                engine, tokenizer, _ = serving_engine(kind, a, args.dtype, 0, max_batch=64, device=args.device)
+                live = LiveEngines()
+                engine, tokenizer, _ = live.serve(
+                    kind, a, dtype=args.dtype, policy_version=0, max_batch=64, device=args.device
+                )
                 startup = time.perf_counter() - started
                 probe = [
                     GroupRequest(
@@ -71,12 +74,14 @@ def main() -> None:
                 for version in range(1, args.repeats + 1):
                     directory = b if version % 2 else a
                     committed = time.perf_counter()
-                    _, _, pause = serving_engine(kind, directory, args.dtype, version, device=args.device)
+                    _, _, pause = live.serve(
+                        kind, directory, dtype=args.dtype, policy_version=version, device=args.device
+                    )
                     latencies.append(time.perf_counter() - committed)
                     pauses.append(pause)
                     (sample,) = engine.generate(probe)
                     assert sample.token_policy_versions == [version] * len(sample.token_ids)
-                drop_serving_engines()
+                live.close()
                 latency, pause = statistics.median(latencies), statistics.median(pauses)
                 label = f"{model} ({params / 1e6:.2f}M)"
                 print(

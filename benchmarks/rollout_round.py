@@ -18,19 +18,19 @@ import time
 
 
 def one_round(engine, tokenizer, groups: int, partial: bool, seed: int, inline: bool = True) -> dict:
-    import tasks.rollout.stage
+    import tasks.rollout.collection
     from tasks.config.filter import FilterConfig
     from tasks.config.prompts import PromptsConfig
     from tasks.config.rollout import RolloutConfig
     from tasks.config.verify import VerifyConfig
-    from tasks.rollout.stage import generate_and_verify
+    from tasks.rollout.collection import RolloutCollection
 
-    declared = tasks.rollout.stage.scores_inline
+    declared = tasks.rollout.collection.scores_inline
     if not inline:  # what every verifier got before ``VerifierSpec.inline``: a worker thread per call
-        tasks.rollout.stage.scores_inline = lambda name, config: False
+        tasks.rollout.collection.scores_inline = lambda name, config: False
     start = time.perf_counter()
     try:
-        result = generate_and_verify(
+        result = RolloutCollection(
             engine=engine,
             tokenizer=tokenizer,
             prompts=PromptsConfig(),
@@ -41,9 +41,9 @@ def one_round(engine, tokenizer, groups: int, partial: bool, seed: int, inline: 
             seed=seed,
             run_id="bench",
             round_index=1,
-        )
+        ).collect()
     finally:
-        tasks.rollout.stage.scores_inline = declared
+        tasks.rollout.collection.scores_inline = declared
     return {
         "seconds": time.perf_counter() - start,
         "time_to_trainable_batch_s": result.stats["rollout/time_to_trainable_batch_s"],
@@ -77,7 +77,7 @@ def main() -> None:
 
     base = run_prepare_base(storage=args.storage, base_model="builtin", device=args.device)
     local = checkpoints.local_copy(StorageRoot.of(args.storage), base.checkpoint)
-    engine = build_engine("embedded", local, "float32", 0, 1024, device=args.device)
+    engine = build_engine("embedded", local, dtype="float32", policy_version=0, max_batch=1024, device=args.device)
     tokenizer = load_tokenizer(local)
     modes = (("partial_rollouts", True, True), ("run_to_completion", False, True), ("verifier_threads", True, False))
     runs: dict[str, list[dict]] = {mode: [] for mode, _, _ in modes}

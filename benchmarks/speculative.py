@@ -8,7 +8,7 @@ Per preset (the long-tail one and the default one):
 1. A campaign of ``--rounds`` rounds from the preset's base, speculation off (``rollout.speculative``), or the one
    already in ``--storage`` under the same run id (a rerun reuses it). Its last round's checkpoint is what the
    rest samples from, and its committed rounds are the history drafts come from.
-2. Collection: the next round's rollout stage (``tasks.rollout.stage.generate_and_verify``: ready pool, verifiers,
+2. Collection: the next round's rollout stage (``tasks.rollout.collection.RolloutCollection``: ready pool, verifiers,
    partial rollouts, the last round's carry-over resumed), with and without speculation, ``--repeats`` times each
    in alternation: decode steps, time to a trainable batch, acceptance, tokens per verification step, drafting and
    indexing seconds, and whether the two produced the same rows (they should: every emitted token is plain
@@ -56,21 +56,22 @@ def campaign(storage: str, config, run_id: str, rounds: int, speculative: bool) 
     return {**rl_campaign(config=config, storage=storage, resume=exists), "reused": exists}
 
 
-def collection(storage: str, config, run: dict, speculative: bool) -> dict:
+def collection(storage: str, config, run: dict, speculative: bool, live) -> dict:
     """The next round's rollout from the campaign's last checkpoint, with or without speculation."""
     from models.checkpoint import context_length
     from storage import checkpoints
     from storage.paths import StorageRoot
     from storage.trajectories import committed_round_version, read_carryover
+    from tasks.rollout.collection import RolloutCollection
     from tasks.rollout.speculation import RoundSpeculation
-    from tasks.rollout.stage import generate_and_verify
-    from tasks.serving.engines import serving_engine
 
     root = StorageRoot.of(storage)
     last = run["rounds"][-1]
     rc = config.round
     local = checkpoints.local_copy(root, last["checkpoint"])
-    engine, tokenizer, _ = serving_engine("embedded", local, rc.rollout.dtype, last["round"], rc.rollout.max_batch)
+    engine, tokenizer, _ = live.serve(
+        "embedded", local, dtype=rc.rollout.dtype, policy_version=last["round"], max_batch=rc.rollout.max_batch
+    )
     engine.configure(rc.rollout.max_batch, rc.rollout.update_kv)
     settings = rc.rollout.speculative.model_copy(update={"enabled": speculative})
     round_index = last["round"] + 1
@@ -79,21 +80,20 @@ def collection(storage: str, config, run: dict, speculative: bool) -> dict:
     if speculation.why_not:
         raise SystemExit(f"speculation is off: {speculation.why_not}")
     start = time.time()
-    result = generate_and_verify(
+    result = RolloutCollection(
         engine,
         tokenizer,
-        rc.prompts,
-        rc.rollout,
-        rc.verify_resolved,
-        rc.filter,
-        rc.target_groups,
+        prompts=rc.prompts,
+        rollout=rc.rollout,
+        verify=rc.verify_resolved,
+        filtering=rc.filter,
+        target_groups=rc.target_groups,
         seed=rc.seed * 1_000 + round_index,
         run_id=run["run_id"],
         round_index=round_index,
         max_context=context_length(local),
-        carried_rows=carried,
         policy_version=last["round"],
-    )
+    ).collect(carried_rows=carried)
     figures = speculation.finish()
     s = result.stats
     history_s = figures.get("rollout/spec_history_s", 0.0)
@@ -113,7 +113,7 @@ def collection(storage: str, config, run: dict, speculative: bool) -> dict:
     }
 
 
-def throughput(storage: str, config, run: dict, batch: int, speculative: bool, samples: int) -> dict:
+def throughput(storage: str, config, run: dict, batch: int, speculative: bool, samples: int, live) -> dict:
     """A fixed set of the preset's prompts (``samples`` samples), all generated at ``max_batch`` = ``batch``."""
     import itertools
 
@@ -123,13 +123,14 @@ def throughput(storage: str, config, run: dict, batch: int, speculative: bool, s
     from storage.paths import StorageRoot
     from tasks.prompts.sources import prompt_stream
     from tasks.rollout.speculation import RoundSpeculation
-    from tasks.serving.engines import serving_engine
 
     root = StorageRoot.of(storage)
     last = run["rounds"][-1]
     rc = config.round
     local = checkpoints.local_copy(root, last["checkpoint"])
-    engine, tokenizer, _ = serving_engine("embedded", local, rc.rollout.dtype, last["round"], batch)
+    engine, tokenizer, _ = live.serve(
+        "embedded", local, dtype=rc.rollout.dtype, policy_version=last["round"], max_batch=batch
+    )
     engine.configure(batch, rc.rollout.update_kv)
     settings = rc.rollout.speculative.model_copy(update={"enabled": speculative})
     n = rc.rollout.samples_per_prompt
@@ -188,6 +189,9 @@ def main() -> None:
     presets = ["long-tail"] if args.quick else args.presets.split(",")
     repeats = 1 if args.quick else args.repeats
     figures: dict = {"rounds": args.rounds, "presets": {}}
+    from tasks.serving.live import LiveEngines
+
+    live = LiveEngines()  # one engine per checkpoint shape across the runs below, as a campaign keeps it
     for preset in presets:
         config = load_campaign_config(args.config, None if preset == "default" else preset)
         config = config.model_copy(update={"round": config.round.model_copy(update={"seed": args.seed})})
@@ -197,7 +201,7 @@ def main() -> None:
         per_mode: dict[str, list[dict]] = {"plain": [], "speculative": []}
         for repeat in range(repeats):
             for mode in ("plain", "speculative") if repeat % 2 == 0 else ("speculative", "plain"):
-                r = collection(args.storage, config, off, mode == "speculative")
+                r = collection(args.storage, config, off, mode == "speculative", live)
                 per_mode[mode].append(r)
                 print(
                     f"  collection {mode:11s}: {r['time_to_trainable_batch_s']:6.2f} s to a trainable batch, "
@@ -233,8 +237,8 @@ def main() -> None:
         entry["throughput"] = {}
         for batch in sizes:
             samples = 64 if batch == 1 else 512
-            plain = throughput(args.storage, config, off, batch, False, samples)
-            spec = throughput(args.storage, config, off, batch, True, samples)
+            plain = throughput(args.storage, config, off, batch, False, samples, live)
+            spec = throughput(args.storage, config, off, batch, True, samples, live)
             entry["throughput"][str(batch)] = {"plain": plain, "speculative": spec}
             print(
                 f"  max_batch {batch:4d}: {plain['tokens_per_s']:8.0f} / {spec['tokens_per_s']:8.0f} tokens/s "

@@ -81,9 +81,17 @@ def one_worker(parent: str, rows: list[dict], config, device) -> tuple[dict, dic
     model.to(device)
     batches = minibatches(rows, config.groups_per_step, config.steps_per_round)
     optimizer, stats = train_policy(
-        model, tokenizer.pad_token_id, batches, config, 1.0, None, 0, [False] * len(batches),
-        device=device, precision=resolve_precision(config.precision, device),
-    )  # fmt: skip
+        model,
+        tokenizer.pad_token_id,
+        batches,
+        config=config,
+        temperature=1.0,
+        optimizer=None,
+        current_version=0,
+        recompute=[False] * len(batches),
+        device=device,
+        precision=resolve_precision(config.precision, device),
+    )
     weights = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     return stats, resident_bytes(model, optimizer), weights
 
@@ -97,7 +105,7 @@ def two_workers(parent: str, rows: list[dict], config, device) -> tuple[dict, li
 
     steps = len(minibatches(rows, config.groups_per_step, config.steps_per_round))
     shares = sharded_minibatches(rows, config.groups_per_step, config.steps_per_round, None, 2)
-    job = TrainJob([], config, 1.0, 0, [False] * steps)
+    job = TrainJob(shares=[], config=config, temperature=1.0, current_version=0, recompute=[False] * steps)
     results = train_in_processes(2, parent, shares, job, device.type)
     weights = load(results[0].files["model.safetensors"])
     return results[0].stats, [r.memory for r in results], weights

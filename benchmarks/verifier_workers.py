@@ -47,7 +47,7 @@ def main() -> None:
     from storage import checkpoints
     from storage.paths import StorageRoot
     from tasks.campaign.base_policy import run_prepare_base
-    from tasks.rollout.stage import generate_and_verify
+    from tasks.rollout.collection import RolloutCollection
     from tasks.serving.engines import build_engine, load_tokenizer
 
     rc = load_campaign_config(None, args.preset).round
@@ -59,7 +59,14 @@ def main() -> None:
         source = checkpoints.local_copy(StorageRoot.of(args.storage), base.checkpoint)
     elif not os.path.isdir(source):
         parser.error(f"--checkpoint: {source} is not a directory")
-    engine = build_engine(rc.rollout.engine, source, rc.rollout.dtype, 0, rc.rollout.max_batch, device=args.device)
+    engine = build_engine(
+        rc.rollout.engine,
+        source,
+        dtype=rc.rollout.dtype,
+        policy_version=0,
+        max_batch=rc.rollout.max_batch,
+        device=args.device,
+    )
     tokenizer = load_tokenizer(source)
     seen: dict[int, list[dict]] = {w: [] for w in counts}
     carried: dict[int, list] = {w: [] for w in counts}
@@ -67,10 +74,18 @@ def main() -> None:
         for workers in counts:
             verify = rc.verify_resolved.model_copy(update={"workers": workers})
             start = time.perf_counter()
-            result = generate_and_verify(
-                engine, tokenizer, rc.prompts, rc.rollout, verify, rc.filter, rc.target_groups,
-                args.seed + k, "verifier-workers", k, carried_rows=carried[workers],
-            )  # fmt: skip
+            result = RolloutCollection(
+                engine,
+                tokenizer,
+                prompts=rc.prompts,
+                rollout=rc.rollout,
+                verify=verify,
+                filtering=rc.filter,
+                target_groups=rc.target_groups,
+                seed=args.seed + k,
+                run_id="verifier-workers",
+                round_index=k,
+            ).collect(carried_rows=carried[workers])
             seconds = time.perf_counter() - start
             carried[workers] = result.carry_rows
             s = result.stats

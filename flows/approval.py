@@ -16,10 +16,11 @@ from prefect.input import RunInput
 
 from flows.progress import artifact_key, stage_logger
 from flows.tasks import decide_promotion_task
+from tasks.config.base import NotInput
 from tasks.config.evaluate import EvaluateConfig
 from tasks.evaluate.approval import approval_markdown
 from tasks.round.context import RoundContext
-from tasks.round.results import Evaluation, NotInput, Promotion
+from tasks.round.results import Evaluation, Promotion
 
 
 class Approval(RunInput):

@@ -19,6 +19,7 @@ from prefect import flow
 
 from flows.config import CampaignConfig
 from flows.progress import StageProgress, artifact_key, publish_rounds_table, stage_logger
+from flows.resources import CampaignResources
 from flows.round import open_round, run_round
 from flows.stages import Stages
 from flows.tasks import preflight_task, prepare_base_task, register_base_task
@@ -26,8 +27,6 @@ from storage.campaigns import Owner, assert_owner, claim, release
 from storage.paths import StorageRoot
 from storage.settings import settings
 from tasks.campaign.start import StartPoint
-from tasks.serving.engines import released_engines
-from tasks.train.worker_group import released_workers, worker_group
 
 log = logging.getLogger("rlrounds")
 
@@ -112,17 +111,19 @@ def rl_campaign(
     if owner.generation:
         log.info("resuming campaign %s (takeover %d)", run_id, owner.generation)
     try:
-        with (
-            released_engines(),
-            released_workers(),
-        ):  # the serving engine lives as long as the campaign, not the worker process
-            return campaign_rounds(config, storage, run_id, code_version(), owner)
+        with CampaignResources() as resources:  # the engines and trainer workers live as long as the campaign
+            return campaign_rounds(
+                config, storage=storage, run_id=run_id, version=code_version(), owner=owner, resources=resources
+            )
     finally:
         release(owner)
 
 
-def campaign_rounds(config: CampaignConfig, storage: str, run_id: str, version: str, owner: Owner) -> dict:
-    """Round 0 (the base policy, registered and evaluated once), then rounds 1 to ``config.rounds``."""
+def campaign_rounds(
+    config: CampaignConfig, *, storage: str, run_id: str, version: str, owner: Owner, resources: CampaignResources
+) -> dict:
+    """Round 0 (the base policy, registered and evaluated once), then rounds 1 to ``config.rounds``, with the
+    campaign's live engines and worker group (``resources``)."""
     rc = config.round
     building = StageProgress("base build", artifact_key(run_id, "base-build"), "building the base policy")
     stage_logger().info("base policy %s: preparing (built on first use, then cached)", rc.policy.base_model)
@@ -148,6 +149,7 @@ def campaign_rounds(config: CampaignConfig, storage: str, run_id: str, version: 
         evaluate=rc.evaluate,
         prompts=rc.prompts,
         verify=rc.verify_resolved,
+        engines=resources.engines,
         device=rc.device,
     )
     log.info("round 0 (base %s): held-out accuracy %.1f%%", base.base_model, 100 * round0.accuracy)
@@ -156,18 +158,29 @@ def campaign_rounds(config: CampaignConfig, storage: str, run_id: str, version: 
     registered_base = StartPoint(
         model_version=round0.model_version, checkpoint=base.checkpoint, round=0, base_model=base.base_model
     )
-    final_version = run_rounds(config, storage, run_id, version, owner, registered_base, history)
+    final_version = run_rounds(
+        config,
+        storage=storage,
+        run_id=run_id,
+        version=version,
+        owner=owner,
+        start=registered_base,
+        history=history,
+        resources=resources,
+    )
     return {"run_id": run_id, "storage": storage, "rounds": history, "final_model_version": final_version}
 
 
 def run_rounds(
     config: CampaignConfig,
+    *,
     storage: str,
     run_id: str,
     version: str,
     owner: Owner,
     start: StartPoint,
     history: list[dict],
+    resources: CampaignResources,
 ) -> str:
     """Rounds ``start.round + 1`` to ``start.round + config.rounds``, the first from ``start``, each
     next one from the previous one's checkpoint, until ``config.stop_at_accuracy`` is reached. Each
@@ -176,7 +189,7 @@ def run_rounds(
     parent_checkpoint, parent_version = start.checkpoint, start.model_version
     rc = config.round
     if rc.train.workers > 1 and last > start.round:  # before any rollout replica takes the cluster's free CPUs
-        worker_group(rc.train.workers, rc.device, rc.rollout.ray_address)
+        resources.trainers.group(rc.train.workers, rc.device, rc.rollout.ray_address)
     for k in range(start.round + 1, last + 1):
         assert_owner(StorageRoot.of(storage), run_id, owner)  # a process that lost a takeover stops here
         result = run_round(
@@ -191,6 +204,7 @@ def run_rounds(
             code_version=version,
             next_round=k < last,
             stop_at_accuracy=config.stop_at_accuracy,
+            resources=resources,
         )
         s = result.stats
         log.info("%s", round_line(k, s, result.evaluation.accuracy, result.resumed_stages))

@@ -11,7 +11,7 @@ import json
 import os
 import re
 import textwrap
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError, field_validator, model_validator
@@ -19,7 +19,7 @@ from pydantic import BaseModel, Field, TypeAdapter, ValidationError, field_valid
 from flows.presets import PresetError, load_preset, overlay
 from models.builtin import BUILTIN_SOURCES, BUILTINS
 from storage.model_versions import LineageError, parse_model_version
-from tasks.config.base import Config, field_help
+from tasks.config.base import Config, NotInput, field_help
 from tasks.config.evaluate import EvaluateConfig
 from tasks.config.filter import FilterConfig
 from tasks.config.prompts import PromptsConfig
@@ -57,8 +57,6 @@ class PolicyConfig(Config):
 class RoundConfig(Config):
     """Everything one round does, stage by stage."""
 
-    INPUTS_AT_DEFAULT = frozenset({"device"})  # where it computes: a campaign may resume on another machine
-
     policy: PolicyConfig = PolicyConfig()
     """The policy the campaign starts from."""
     prompts: PromptsConfig = PromptsConfig()
@@ -75,7 +73,9 @@ class RoundConfig(Config):
     """Where checkpoints are registered."""
     evaluate: EvaluateConfig = EvaluateConfig()
     """How published checkpoints are scored, at serving precision."""
-    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
+    device: Annotated[
+        str, NotInput("where it computes: a campaign may resume on another machine", keyed_at_default=True)
+    ] = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
     """Where the stages that run torch compute (trainer, embedded engine, evaluation, base build). 'auto': CUDA when
     a GPU is visible, else the CPU; or 'cpu', 'cuda', 'cuda:N'. Checkpoints load on any device."""
     seed: int = 0
@@ -168,17 +168,9 @@ class CampaignConfig(Config):
     """Everything one round does, stage by stage."""
 
     def identity(self) -> dict:
-        """What a resume must match: everything that shapes a round. The round count and the stopping
-        rule may change, so a finished campaign can be extended with `--resume RUN_ID --rounds N`."""
-        shape = self.round.model_dump(mode="json")
-        shape.pop("device")  # where it computes: a CPU campaign may be resumed on a GPU machine
-        for field in PLACEMENT_FIELDS["rollout"]:  # likewise how much of a GPU, and how many, the engine takes
-            shape["rollout"].pop(field)
-        for section, added in IDENTITY_SINCE.items():  # campaigns recorded before these fields still resume
-            for field, default in added.items():
-                if shape[section][field] == default:
-                    shape[section].pop(field)
-        return {"experiment": self.experiment, "round": shape}
+        """What a resume must match: everything that shapes a round (``Config.identity_dump``). The round count and
+        the stopping rule may change, so a finished campaign can be extended with `--resume RUN_ID --rounds N`."""
+        return {"experiment": self.experiment, "round": self.round.identity_dump()}
 
     @field_validator("run_id")
     @classmethod
@@ -188,24 +180,6 @@ class CampaignConfig(Config):
                 f"run_id {v!r} must be 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
             )
         return v
-
-
-PLACEMENT_FIELDS = {"rollout": ("gpu_memory_utilization", "tensor_parallel_size", "speculative")}
-"""Fields that say how much hardware a stage takes, or how fast it computes, not what it computes: never part of a
-campaign's identity (speculative rollout emits plain sampling's tokens: models/engines/speculative.py)."""
-
-IDENTITY_SINCE = {
-    "train": {"workers": 1, "precision": "auto"},
-    "prompts": {
-        "prompt_column": "prompt",
-        "reference_column": "reference",
-        "chat_template": False,
-        "system_prompt": None,
-    },
-    "rollout": {"stop": []},
-}
-"""Fields added after campaigns were first recorded, by section: left out of a campaign's identity at these values,
-so a campaign started before them resumes as it ran."""
 
 
 class ReplayRequest(Config):

@@ -20,9 +20,9 @@ from storage.settings import settings
 from tasks.config.base import Dtype
 from tasks.config.evaluate import EvaluateConfig
 from tasks.round.results import VersionEvaluation
-from tasks.serving.engines import released_engines
+from tasks.serving.live import LiveEngines
 
-TRAIN_DTYPE = "float32"  # the trainer always works in float32 (tasks/train.run_train)
+TRAIN_DTYPE = "float32"  # the trainer always works in float32 (tasks/train/stage.py, run_train)
 
 
 @flow(name="rl-evaluate", flow_run_name="evaluate-{model_version}", validate_parameters=True)
@@ -46,7 +46,7 @@ def rl_evaluate(
     rc = config or RoundConfig()
     overrides = {k: v for k, v in (("serving_engine", serving_engine), ("serving_dtype", serving_dtype)) if v}
     evaluate = EvaluateConfig.model_validate({**rc.evaluate.model_dump(), **overrides})
-    with released_engines():  # an engine this evaluation starts does not outlive it
+    with LiveEngines() as engines:  # an engine this evaluation starts does not outlive it
         return evaluate_version_task(
             storage=storage,
             model_version=model_version,
@@ -54,5 +54,6 @@ def rl_evaluate(
             prompts=rc.prompts,
             verify=rc.verify_resolved,
             train_dtype=TRAIN_DTYPE,
+            engines=engines,
             device=rc.device,
         )

@@ -17,12 +17,11 @@ from prefect.runtime import flow_run
 
 from flows.campaign import code_version
 from flows.config import ReplayRequest, RoundConfig
+from flows.resources import CampaignResources
 from flows.tasks import plan_replay_task, publish_replay_task, refilter_task, reverify_task, train_task
 from storage.settings import settings
 from tasks.config.refilter import RefilterRequest, ReverifyRequest
 from tasks.round.results import Reverified, TrajectoryVersion
-from tasks.serving.engines import released_engines
-from tasks.train.worker_group import released_workers
 
 
 @flow(name="rl-replay", validate_parameters=True)
@@ -47,7 +46,7 @@ def rl_replay(request: ReplayRequest, storage: str | None = None) -> dict:
         code_version=code_version(),
         flow_run_id=str(flow_run.id or "none"),
     )
-    with released_engines(), released_workers():  # engines and trainer workers do not outlive the replay
+    with CampaignResources() as resources:  # engines and trainer workers do not outlive the replay
         trained = train_task(
             ctx=plan.context,
             trajectory_uri=plan.trajectory_uri,
@@ -56,6 +55,8 @@ def rl_replay(request: ReplayRequest, storage: str | None = None) -> dict:
             rollout_dtype=plan.rollout_dtype,
             lineage_extra=plan.lineage_extra,
             target_checkpoint=plan.checkpoint,
+            engines=resources.engines,
+            trainers=resources.trainers,
             device=rc.device,
             ray_address=rc.rollout.ray_address,
         )

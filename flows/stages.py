@@ -27,10 +27,10 @@ from pydantic import BaseModel
 from flows.progress import stage_logger
 from storage.campaigns import read_stage, write_stage
 from storage.paths import StorageRoot
-from tasks.config.base import Config
+from tasks.config.base import Config, NotInput
 from tasks.round.context import RoundContext
 from tasks.round.faults import crash_point
-from tasks.round.results import NotInput, StageResult
+from tasks.round.results import StageResult
 
 
 def stage_function(task: Callable[..., Any]) -> Callable[..., Any]:

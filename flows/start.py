@@ -12,13 +12,12 @@ from prefect import flow
 
 from flows.campaign import campaign_rounds, code_version, new_run_id, run_rounds
 from flows.config import CampaignConfig, RoundConfig
+from flows.resources import CampaignResources
 from flows.tasks import preflight_task, resolve_start_task
 from storage.campaigns import claim, read_campaign, release
 from storage.paths import StorageRoot
 from storage.settings import settings
 from tasks.campaign.start import BASE
-from tasks.serving.engines import released_engines
-from tasks.train.worker_group import released_workers
 
 
 @flow(name="rl-round-from", validate_parameters=True)
@@ -56,12 +55,13 @@ def rl_round_from(
     preflight_task(config=config, storage=root.uri)
     owner = claim(root, run_id, campaign.model_dump(mode="json"), identity, "auto")
     try:
-        with released_engines(), released_workers():
+        with CampaignResources() as resources:
+            where = {"storage": root.uri, "run_id": run_id, "version": code_version(), "owner": owner}
             if resolved == BASE:  # the base registered as round 0, then rounds 1..N: a campaign from the base
-                return campaign_rounds(campaign, root.uri, run_id, code_version(), owner)
+                return campaign_rounds(campaign, **where, resources=resources)
             parent = resolve_start_task(storage=root.uri, start=resolved)
             history: list[dict] = []
-            final_version = run_rounds(campaign, root.uri, run_id, code_version(), owner, parent, history)
+            final_version = run_rounds(campaign, **where, start=parent, history=history, resources=resources)
     finally:
         release(owner)
     return {

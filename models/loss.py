@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 
-@dataclass
+@dataclass(kw_only=True)
 class LossInputs:
     logprobs: torch.Tensor  # [B, T] trainer logprobs, with grad
     behaviour_logprobs: torch.Tensor  # [B, T] engine logprobs

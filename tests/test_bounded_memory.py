@@ -108,7 +108,16 @@ def train_once(parent: str, rows: list[dict], **train) -> tuple[dict, dict]:
     )
     model, tokenizer = load_policy(parent)
     batches = minibatches(rows, config.groups_per_step, config.steps_per_round)
-    _, stats = train_policy(model, tokenizer.pad_token_id, batches, config, 1.0, None, 0, [True] * len(batches))
+    _, stats = train_policy(
+        model,
+        tokenizer.pad_token_id,
+        batches,
+        config=config,
+        temperature=1.0,
+        optimizer=None,
+        current_version=0,
+        recompute=[True] * len(batches),
+    )
     return stats, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 

@@ -110,7 +110,7 @@ def test_stop_ids_are_the_tokenizers_and_the_generation_configs(chat_policy_dir,
 
 def test_the_engine_stops_at_any_stop_id_and_at_stop_strings(chat_policy_dir):
     tokenizer = load_tokenizer(chat_policy_dir)
-    engine = build_engine("embedded", chat_policy_dir, "float32", 0, device="cpu")
+    engine = build_engine("embedded", chat_policy_dir, dtype="float32", policy_version=0, device="cpu")
     prompt = Prompt("p", "math", "x", "4", (("user", "Tom has 3 apples and buys 4 more. How many apples?"),))
     ids = encode_prompt(tokenizer, prompt)[1]
     samples = list(engine.generate([GroupRequest("g", ids, 8, SamplingParams(1.0, 1.0, 16, 3))]))

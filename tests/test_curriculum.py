@@ -62,26 +62,26 @@ def test_rollout_draws_solved_prompts_less_and_records_the_weight(tiny_policy_di
     from tasks.config.prompts import PromptsConfig
     from tasks.config.rollout import RolloutConfig
     from tasks.config.verify import VerifyConfig
-    from tasks.rollout.stage import generate_and_verify
+    from tasks.rollout.collection import RolloutCollection
 
     model, tok = load_policy(tiny_policy_dir)
     solved = frozenset(make_prompt(a, b).prompt_id for a in range(100) for b in range(50))  # half the pairs
 
     def collect(weight: float) -> list[dict]:
         engine = EmbeddedEngine(model, tok.eos_token_id, tok.pad_token_id, max_batch=64)
-        result = generate_and_verify(
+        result = RolloutCollection(
             engine,
             tok,
-            PromptsConfig(solved_weight=weight),
-            RolloutConfig(samples_per_prompt=2, max_tokens=4),
-            VerifyConfig(),
-            FilterConfig(drop_zero_variance=False),
+            prompts=PromptsConfig(solved_weight=weight),
+            rollout=RolloutConfig(samples_per_prompt=2, max_tokens=4),
+            verify=VerifyConfig(),
+            filtering=FilterConfig(drop_zero_variance=False),
             target_groups=200,
             seed=3,
             run_id="t",
             round_index=2,
             solved=solved,
-        )
+        ).collect()
         assert result.stats["rollout/curriculum_solved_prompts"] == len(solved)
         return result.rows
 

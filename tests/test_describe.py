@@ -93,7 +93,7 @@ def test_an_evaluated_round_version_carries_its_description(tmp_path, tiny_polic
     from tasks.evaluate.stage import run_evaluate
     from tasks.publish.stage import lineage_tags
     from tasks.round.context import RoundContext
-    from tasks.serving.engines import drop_serving_engines
+    from tasks.serving.live import LiveEngines
 
     monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:4321/api")
     storage = str(tmp_path / "data")
@@ -116,8 +116,7 @@ def test_an_evaluated_round_version_carries_its_description(tmp_path, tiny_polic
     )
     tags = lineage_tags(ctx, trajectory_version="0123456789ab", line="addition")
     version = tracker.register("desc-policy", tiny_policy_dir, run, tags)
-    drop_serving_engines()
-    try:
+    with LiveEngines() as engines:
         stats = run_evaluate(
             ctx=ctx,
             config=EvaluateConfig(),
@@ -125,9 +124,8 @@ def test_an_evaluated_round_version_carries_its_description(tmp_path, tiny_polic
             verify=VerifyConfig(verifier="addition"),
             checkpoint=tiny_policy_dir,
             model_version=f"desc-policy/{version}",
+            engines=engines,
         ).metrics()
-    finally:
-        drop_serving_engines()
     db = f"sqlite:///{storage}/mlflow.db"
     read = MlflowClient(tracking_uri=db, registry_uri=db).get_model_version("desc-policy", version)
     assert f"**desc-policy/{version}**: round 1 of campaign `desc`" in read.description

@@ -16,27 +16,30 @@ from tasks.config.filter import FilterConfig
 from tasks.config.prompts import PromptsConfig
 from tasks.config.rollout import RolloutConfig
 from tasks.config.verify import VerifyConfig
-from tasks.rollout.stage import generate_and_verify
+from tasks.rollout.collection import RolloutCollection
 from tasks.serving import engines
+from tasks.serving.live import LiveEngines
 
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="here 'auto' is CUDA: tests/test_gpu.py covers it")
 
 
 def _rows(tiny_policy_dir: str, **device) -> list[tuple]:
     """A small rollout's rows (what training reads of them) from an engine built as the round builds it."""
-    engine, tokenizer = engines.make_engine("embedded", tiny_policy_dir, "float32", 0, max_batch=16, **device)
-    result = generate_and_verify(
+    engine, tokenizer = engines.make_engine(
+        "embedded", tiny_policy_dir, dtype="float32", policy_version=0, max_batch=16, **device
+    )
+    result = RolloutCollection(
         engine,
         tokenizer,
-        PromptsConfig(),
-        RolloutConfig(samples_per_prompt=4, max_tokens=10, max_batch=16),
-        VerifyConfig(),
-        FilterConfig(drop_zero_variance=False),  # a random policy scores 0 everywhere: keep every group
+        prompts=PromptsConfig(),
+        rollout=RolloutConfig(samples_per_prompt=4, max_tokens=10, max_batch=16),
+        verify=VerifyConfig(),
+        filtering=FilterConfig(drop_zero_variance=False),
         target_groups=3,
         seed=5,
         run_id="t",
         round_index=1,
-    )
+    ).collect()
     return sorted(
         (r.group_id, r.sample_index, r.completion_token_ids, r.rollout_logprobs, r.finish_reason, r.reward)
         for r in result.rows
@@ -51,9 +54,9 @@ def test_device_cpu_gives_the_rows_the_default_gives(tiny_policy_dir):
 
 @no_gpu
 def test_auto_and_cpu_name_one_live_engine_on_the_cpu(tiny_policy_dir):
-    with engines.released_engines():
-        auto, _, _ = engines.serving_engine("embedded", tiny_policy_dir, "float32", 0)
-        cpu, _, _ = engines.serving_engine("embedded", tiny_policy_dir, "float32", 0, device="cpu")
+    with LiveEngines() as live:
+        auto, _, _ = live.serve("embedded", tiny_policy_dir, dtype="float32", policy_version=0)
+        cpu, _, _ = live.serve("embedded", tiny_policy_dir, dtype="float32", policy_version=0, device="cpu")
         assert cpu is auto and auto.device == torch.device("cpu")
 
 
@@ -62,10 +65,10 @@ def test_auto_and_cpu_name_one_live_engine_on_the_cpu(tiny_policy_dir):
 def test_cuda_without_a_gpu_fails_where_the_stage_starts(tiny_policy_dir, tmp_path, setting):
     line = f"device '{setting}' asked for CUDA"
     with pytest.raises(DeviceError, match=line) as raised:
-        engines.serving_engine("embedded", tiny_policy_dir, "float32", 0, device=setting)
+        LiveEngines().serve("embedded", tiny_policy_dir, dtype="float32", policy_version=0, device=setting)
     assert "\n" not in str(raised.value) and "set device to 'auto' or 'cpu'" in str(raised.value)
     with pytest.raises(DeviceError, match=line):  # before any weights are read
-        engines.build_engine("embedded", tiny_policy_dir, "float32", 0, device=setting)
+        engines.build_engine("embedded", tiny_policy_dir, dtype="float32", policy_version=0, device=setting)
     with pytest.raises(DeviceError, match=line):  # before a lease is taken or a step trained
         run_prepare_base(storage=str(tmp_path / "data"), base_model="builtin", device=setting)
     assert not (tmp_path / "data").exists()

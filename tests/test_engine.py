@@ -135,23 +135,30 @@ def test_sampling_follows_the_softmax():
     assert torch.allclose(logprobs, probs.log()[tokens])
 
 
-def test_a_flow_releases_the_serving_engines_it_built_and_only_those(tiny_policy_dir, monkeypatch):
-    """A campaign's engine must not outlive it in a long-lived worker; an outer flow's engine stays."""
-    from tasks.serving import engines
+def test_a_flow_releases_the_engines_it_opened_and_a_borrowed_set_stays_open(tiny_policy_dir, monkeypatch):
+    """A campaign's engines must not outlive it in a long-lived worker; a round given its campaign's engines
+    shares them and leaves them open; a round on its own opens and releases its own."""
+    from flows.resources import CampaignResources, held
+    from models.engines.embedded import EmbeddedEngine
 
     closed = []
-    close = engines.close_engine
-    monkeypatch.setattr(engines, "close_engine", lambda engine: (closed.append(engine), close(engine)))
-    outer, _, _ = engines.serving_engine("embedded", tiny_policy_dir, "float32", 0)
-    with engines.released_engines():
-        reused, _, _ = engines.serving_engine("embedded", tiny_policy_dir, "float32", 0)
-        built, _, _ = engines.serving_engine("embedded", tiny_policy_dir, "bfloat16", 0)
-    assert reused is outer and closed == [built]
-    again, _, _ = engines.serving_engine("embedded", tiny_policy_dir, "float32", 0)
-    assert again is outer  # live on entry: still live
-    with engines.released_engines():
-        rebuilt, _, _ = engines.serving_engine("embedded", tiny_policy_dir, "bfloat16", 0)
-    assert rebuilt is not built and closed == [built, rebuilt]  # the released one was gone: a fresh one was built
+    close = EmbeddedEngine.close
+    monkeypatch.setattr(EmbeddedEngine, "close", lambda engine: (closed.append(engine), close(engine)))
+
+    def serve(resources, dtype):
+        return resources.engines.serve("embedded", tiny_policy_dir, dtype=dtype, policy_version=0)[0]
+
+    with CampaignResources() as campaign:
+        outer = serve(campaign, "float32")
+        with held(campaign) as borrowed:  # a round of the campaign
+            reused, built = serve(borrowed, "float32"), serve(borrowed, "bfloat16")
+        assert reused is outer and closed == []  # the campaign's: still live
+        with held(None) as own:  # a round on its own
+            mine = serve(own, "float32")
+        assert mine is not outer and closed == [mine]
+    assert closed == [mine, outer, built]  # the campaign's end releases every engine it held
+    with pytest.raises(RuntimeError, match="closed"):
+        serve(campaign, "float32")  # nothing serves from a closed set
 
 
 # -- partial rollouts: stop mid-generation, load new weights, resume ---------------------------------

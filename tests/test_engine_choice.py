@@ -109,16 +109,20 @@ def test_replica_rank_offsets(workers, expected):
 
 
 def test_offered_weights_are_handed_out_once_and_only_for_their_checkpoint():
-    from tasks.serving import engines
+    from tasks.serving.live import LiveEngines
 
+    engines = LiveEngines()
     weights = {"w": object()}
     engines.offer_weights("root/ckpt-r1", weights)
-    assert engines.offered("root/ckpt-r0") is None  # another checkpoint: read its files
-    assert engines.offered("root/ckpt-r1") is weights
-    assert engines.offered("root/ckpt-r1") is None  # used once
+    assert engines.take_offered("root/ckpt-r0") is None  # another checkpoint: read its files
+    assert engines.take_offered("root/ckpt-r1") is weights
+    assert engines.take_offered("root/ckpt-r1") is None  # used once
     engines.offer_weights("root/ckpt-r1", weights)
     engines.offer_weights("root/ckpt-r2", {})  # a newer offer releases the older one
-    assert engines.offered("root/ckpt-r1") is None
+    assert engines.take_offered("root/ckpt-r1") is None
+    engines.offer_weights("root/ckpt-r3", weights)
+    engines.close()  # the flow's end releases an offer nobody took
+    assert engines.take_offered("root/ckpt-r3") is None
 
 
 class _Receiver:
@@ -157,17 +161,15 @@ class _Receiver:
 def test_a_live_engine_takes_offered_weights_only_when_it_can(
     monkeypatch, tiny_policy_dir, from_memory, offered, expected
 ):
-    from tasks.serving import engines
+    from tasks.serving import live
 
     engine = _Receiver(from_memory)
-    monkeypatch.setattr(engines, "make_engine", lambda *a, **k: (engine, None))
-    try:
-        engines.serving_engine("vllm", tiny_policy_dir, "float32", 0)
+    monkeypatch.setattr(live, "make_engine", lambda *a, **k: (engine, None))
+    with live.LiveEngines() as engines:
+        engines.serve("vllm", tiny_policy_dir, dtype="float32", policy_version=0)
         weights = {"w": None} if offered else None
-        _, _, pause = engines.serving_engine("vllm", tiny_policy_dir, "float32", 1, weights=weights)
+        _, _, pause = engines.serve("vllm", tiny_policy_dir, dtype="float32", policy_version=1, weights=weights)
         assert (engine.arrived[-1][0], pause) == expected and engine.policy_version == 1
-    finally:
-        engines.drop_serving_engines()
 
 
 def test_gpu_sizing_is_placement_not_identity():

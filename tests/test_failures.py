@@ -210,13 +210,11 @@ def test_verify_config_explains_its_limits():
 
 @pytest.fixture
 def own_engines():
-    """The rounds below start this process's serving engine on a tiny policy; drop it afterwards so no
-    later test finds an engine of another shape."""
-    from tasks.serving.engines import drop_serving_engines
+    """The live engines and worker group the rounds below run with, released when the test ends."""
+    from flows.resources import CampaignResources
 
-    drop_serving_engines()
-    yield
-    drop_serving_engines()
+    with CampaignResources() as resources:
+        yield resources
 
 
 class InjectedFaults:
@@ -306,6 +304,7 @@ def test_injected_faults_are_labelled_kept_out_of_the_loss_and_the_round_complet
         verify=config.verify_resolved,
         filtering=config.filter,
         target_groups=config.target_groups,
+        engines=own_engines.engines,
     )
     trajectories = run_filter(
         ctx=ctx,
@@ -320,6 +319,8 @@ def test_injected_faults_are_labelled_kept_out_of_the_loss_and_the_round_complet
         config=config.train,
         temperature=config.rollout.temperature,
         rollout_dtype=config.rollout.dtype,
+        engines=own_engines.engines,
+        trainers=own_engines.trainers,
     )
 
     stats = rollout.stats
@@ -399,6 +400,7 @@ def test_a_round_past_the_infra_failure_limit_fails_loudly_and_stages_nothing(
             verify=config.verify_resolved,
             filtering=config.filter,
             target_groups=config.target_groups,
+            engines=own_engines.engines,
         )
     root = StorageRoot.of(str(tmp_path))
     assert not root.fs.exists(os.path.dirname(root.campaign_file("broken")))  # nothing of the run was written

@@ -43,14 +43,13 @@ def registry(tmp_path, tiny_policy_dir, monkeypatch):
     from storage.tracking import Tracker
     from tasks.config.verify import KNOWN_VERIFIERS
     from tasks.publish.stage import lineage_tags
-    from tasks.serving.engines import drop_serving_engines
+    from tasks.serving.live import LiveEngines
     from tasks.verifiers import registry as verifiers
     from tasks.verifiers.registry import VerifierSpec
 
     judge = Judge()
     monkeypatch.setitem(verifiers.VERIFIERS, "judge", VerifierSpec("test", lambda _config: judge))
     monkeypatch.setitem(KNOWN_VERIFIERS, "judge", "test")
-    drop_serving_engines()
     storage = str(tmp_path / "data")
     tracker = Tracker.connect(settings(), StorageRoot.of(storage))
     run = tracker.ensure_run(tracker.experiment_id("gate"), "gate", {"rlrounds.test": "gate"})
@@ -59,8 +58,15 @@ def registry(tmp_path, tiny_policy_dir, monkeypatch):
         tags = lineage_tags(_round_context(storage, run, k), trajectory_version="none", line=line)
         return f"{NAME}/{tracker.register(NAME, tiny_policy_dir, run, tags)}"
 
-    yield {"storage": storage, "tracker": tracker, "run": run, "register": register, "judge": judge}
-    drop_serving_engines()
+    with LiveEngines() as engines:
+        yield {
+            "storage": storage,
+            "tracker": tracker,
+            "run": run,
+            "register": register,
+            "judge": judge,
+            "engines": engines,
+        }
 
 
 def _round_context(storage: str, run: str, k: int):
@@ -97,6 +103,7 @@ def _evaluate(registry, k: int, mode: str, model_version: str, config: EvaluateC
         verify=JUDGE,
         checkpoint=checkpoint,
         model_version=model_version,
+        engines=registry["engines"],
     ).metrics()
 
 
@@ -150,7 +157,12 @@ def test_rlrounds_eval_and_replay_never_move_the_alias(registry):
     _evaluate(registry, 0, "half", v1)
     registry["judge"].mode = "right"  # whatever they score is better than the champion's
     scored = run_evaluate_version(
-        storage=registry["storage"], model_version=v2, config=EvaluateConfig(), prompts=PromptsConfig(), verify=JUDGE
+        storage=registry["storage"],
+        model_version=v2,
+        config=EvaluateConfig(),
+        prompts=PromptsConfig(),
+        verify=JUDGE,
+        engines=registry["engines"],
     )
     assert scored.metrics()["eval/accuracy"] == 1.0 and _champion(registry) == v1
     ctx = RoundContext(

@@ -72,9 +72,10 @@ def _assert_same(pushed, reloaded):
 def test_weights_pushed_by_cuda_ipc_serve_as_a_reload_of_their_checkpoint(vllm_base, tmp_path):
     """The in-process engine on the trainer's GPU: the state dict shared by CUDA IPC gives the same greedy
     tokens and logprobs as reloading the checkpoint it was saved to, and the engine was never restarted."""
-    from tasks.serving.engines import close_engine, make_engine, takes_weights_from_memory
+    from tasks.serving.engines import make_engine
+    from tasks.serving.live import takes_weights_from_memory
 
-    engine, tokenizer = make_engine("vllm", vllm_base, "float32", 0, max_batch=64)
+    engine, tokenizer = make_engine("vllm", vllm_base, dtype="float32", policy_version=0, max_batch=64)
     try:
         assert takes_weights_from_memory(engine)
         before = _greedy(engine, tokenizer)
@@ -89,25 +90,23 @@ def test_weights_pushed_by_cuda_ipc_serve_as_a_reload_of_their_checkpoint(vllm_b
         engine.load_weights(str(tmp_path), 2)
         _assert_same(pushed, _greedy(engine, tokenizer))
     finally:
-        close_engine(engine)
+        engine.close()
 
 
 @pytest.mark.vllm
 def test_publish_serves_offered_weights_from_memory_and_reports_both_costs(vllm_base, tmp_path):
-    """serving_engine with weights offered for a checkpoint pushes them (no reload); without, it reloads."""
-    from tasks.serving.engines import drop_serving_engines, serving_engine
+    """A live engine given weights offered for a checkpoint pushes them (no reload); without, it reloads."""
+    from tasks.serving.live import LiveEngines
 
-    try:
-        engine, tokenizer, _ = serving_engine("vllm", vllm_base, "float32", 0, max_batch=64)
+    with LiveEngines() as live:
+        engine, tokenizer, _ = live.serve("vllm", vllm_base, dtype="float32", policy_version=0, max_batch=64)
         weights = _perturbed(vllm_base, str(tmp_path), "cuda:0")
-        _, _, pause = serving_engine("vllm", str(tmp_path), "float32", 1, weights=weights)
+        _, _, pause = live.serve("vllm", str(tmp_path), dtype="float32", policy_version=1, weights=weights)
         pushed = _greedy(engine, tokenizer)
-        serving_engine("vllm", vllm_base, "float32", 0)
-        _, _, reload_pause = serving_engine("vllm", str(tmp_path), "float32", 2)
+        live.serve("vllm", vllm_base, dtype="float32", policy_version=0)
+        _, _, reload_pause = live.serve("vllm", str(tmp_path), dtype="float32", policy_version=2)
         _assert_same(pushed, _greedy(engine, tokenizer))
         assert pause > 0.0 and reload_pause > 0.0
-    finally:
-        drop_serving_engines()
 
 
 @pytest.mark.vllm
@@ -116,10 +115,18 @@ def test_publish_serves_offered_weights_from_memory_and_reports_both_costs(vllm_
 def test_weights_broadcast_over_nccl_to_a_replica_serve_as_a_reload(vllm_base, tmp_path):
     """A vLLM replica (a Ray actor on GPU 0) takes the trainer's tensors (on the last GPU) over NCCL."""
     pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]')")
-    from tasks.serving.engines import Placement, close_engine, make_engine, takes_weights_from_memory
+    from tasks.serving.engines import Placement, make_engine
+    from tasks.serving.live import takes_weights_from_memory
 
     last = f"cuda:{torch.cuda.device_count() - 1}"  # Ray hands out GPU 0 first: the trainer keeps its own
-    engine, tokenizer = make_engine("vllm", vllm_base, "float32", 0, 64, Placement(replicas=1, ray_address="local"))
+    engine, tokenizer = make_engine(
+        "vllm",
+        vllm_base,
+        dtype="float32",
+        policy_version=0,
+        max_batch=64,
+        placement=Placement(replicas=1, ray_address="local"),
+    )
     try:
         assert takes_weights_from_memory(engine)
         weights = _perturbed(vllm_base, str(tmp_path), last)
@@ -128,7 +135,7 @@ def test_weights_broadcast_over_nccl_to_a_replica_serve_as_a_reload(vllm_base, t
         engine.load_weights(str(tmp_path), 2)
         _assert_same(pushed, _greedy(engine, tokenizer))
     finally:
-        close_engine(engine)
+        engine.close()
 
 
 def _requests(tokenizer, n: int, params: SamplingParams) -> list[GroupRequest]:
@@ -208,7 +215,7 @@ def test_speculative_samples_on_cuda_are_the_plain_ones(on_cuda):
 
 
 def test_new_weights_land_on_the_engines_device(tiny_policy_dir, tmp_path):
-    engine = engines.build_engine("embedded", tiny_policy_dir, "float32", 0, device="cuda")
+    engine = engines.build_engine("embedded", tiny_policy_dir, dtype="float32", policy_version=0, device="cuda")
     other, tok = load_policy(tiny_policy_dir)
     with torch.no_grad():
         for p in other.parameters():
@@ -222,7 +229,7 @@ def test_new_weights_land_on_the_engines_device(tiny_policy_dir, tmp_path):
 
 def test_greedy_answers_at_serving_precision_on_cuda(tiny_policy_dir):
     """Evaluation's path: the embedded engine at bfloat16 on the device, greedy, decoded to text."""
-    engine, tok = engines.make_engine("embedded", tiny_policy_dir, "bfloat16", 0, device="cuda")
+    engine, tok = engines.make_engine("embedded", tiny_policy_dir, dtype="bfloat16", policy_version=0, device="cuda")
     assert engine.info.dtype == "bfloat16" and engine.device.type == "cuda"
     prompts = [Prompt(f"p{i}", "addition", text, "0") for i, text in enumerate(PROMPTS)]
     answers = list(greedy_completions(engine, tok, prompts, max_tokens=6))

@@ -162,7 +162,7 @@ LAZY_THIRD_PARTY = {"vllm", "ray", "s3fs", "boto3", "math_verify"}
 """Packages a path may never need, imported where that path starts (each with a comment saying why):
 vLLM and Ray for their engines and verifiers, an S3 client for s3:// roots, math-verify (SymPy) in the
 math verifier's worker."""
-SELF_CONTAINED = {"tasks.verifiers.sandbox_child"}
+SELF_CONTAINED = {"tasks.verifiers.sandbox_child", "tasks.environments.tool_child"}
 """Modules whose functions' source runs in another interpreter (the sandbox), so each imports its own."""
 
 
@@ -235,3 +235,54 @@ def test_a_campaign_config_needs_no_stage_and_no_heavy_library():
     stages = [m for m in loaded if m.split(".")[0] == "tasks" and m not in ("tasks", "tasks.config")]
     assert [m for m in stages if not m.startswith("tasks.config.")] == []
     assert "tasks.config.rollout" in stages  # the check saw the configs being imported
+
+
+WINGS = (
+    "config",
+    "round",
+    "verifiers",
+    "environments",
+    "prompts",
+    "serving",
+    "filter",
+    "rollout",
+    "train",
+    "publish",
+    "evaluate",
+    "campaign",
+)
+"""tasks/'s wings from the bottom floor up. A wing groups a stage with what only it uses; it imports only wings
+below it, so the stack reads from any wing downwards without meeting an arrow that comes back up."""
+
+
+def wing_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "tasks" and len(parts) > 2 else None
+
+
+def test_tasks_holds_wings_and_no_loose_modules():
+    loose = sorted(p.name for p in (ROOT / "tasks").glob("*.py") if p.name != "__init__.py")
+    assert loose == [], f"tasks/ modules {loose} belong in a wing (tasks/<wing>/)"
+    wings = {p.name for p in (ROOT / "tasks").iterdir() if (p / "__init__.py").exists()}
+    assert wings == set(WINGS), "a new wing takes its place in WINGS, above every wing it imports"
+
+
+def upward(graph: dict[str, set[str]]) -> list[str]:
+    """The imports in ``graph`` from one wing of tasks/ to a wing above it."""
+    return sorted(
+        f"{source} -> {target}"
+        for source, targets in graph.items()
+        for target in targets
+        if wing_of(source) and wing_of(target) and WINGS.index(wing_of(target)) > WINGS.index(wing_of(source))
+    )
+
+
+def test_each_wing_imports_only_wings_below_it():
+    assert upward(import_graph()) == []
+
+
+def test_an_arrow_up_the_stack_is_found():
+    # rollout asks filter whether a group trains (down); filter asking rollout would be an arrow up
+    graph = {"tasks.rollout.stage": {"tasks.filter.stage"}, "tasks.filter.stage": {"tasks.rollout.stage", "models.x"}}
+    assert upward(graph) == ["tasks.filter.stage -> tasks.rollout.stage"]
+    assert wing_of("tasks") is None and wing_of("flows.round") is None

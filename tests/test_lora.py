@@ -26,7 +26,17 @@ def train_round(parent: str, rows: list[dict], config, out: str) -> dict:
 
     batches = minibatches(rows, config.groups_per_step, config.steps_per_round)
     stats, _ = train_here(
-        parent, None, batches, config, 1.0, 0, [True] * len(batches), out, torch.device("cpu"), "fp32", None
+        parent,
+        None,
+        batches,
+        config=config,
+        temperature=1.0,
+        current_version=0,
+        recompute=[True] * len(batches),
+        out=out,
+        device=torch.device("cpu"),
+        precision="fp32",
+        progress=None,
     )
     return stats
 
@@ -43,7 +53,16 @@ def test_a_lora_step_trains_only_the_adapters(tiny_policy_dir):
     inner = adapted.get_base_model()
     config = lora_config()
     batches = minibatches(synthetic_rows(tokenizer), 2, 3)
-    optimizer, _ = train_policy(inner, tokenizer.pad_token_id, batches, config, 1.0, None, 0, [True] * 3)
+    optimizer, _ = train_policy(
+        inner,
+        tokenizer.pad_token_id,
+        batches,
+        config=config,
+        temperature=1.0,
+        optimizer=None,
+        current_version=0,
+        recompute=[True] * 3,
+    )
     trained = {n for n, p in inner.named_parameters() if p.requires_grad}
     assert trained and all("lora_" in n for n in trained)
     assert sum(len(g["params"]) for g in optimizer.param_groups) == len(trained)  # Adam state for adapters only

@@ -10,7 +10,13 @@ from models.loss import LossInputs, LossSettings, aggregate, logprob_mismatch, p
 
 def _inputs(logp, behaviour, adv, mask, proximal=None):
     t = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731
-    return LossInputs(t(logp), t(behaviour), t(adv), t(mask), None if proximal is None else t(proximal))
+    return LossInputs(
+        logprobs=t(logp),
+        behaviour_logprobs=t(behaviour),
+        advantages=t(adv),
+        mask=t(mask),
+        proximal_logprobs=None if proximal is None else t(proximal),
+    )
 
 
 def test_on_policy_loss_is_minus_mean_advantage():
@@ -57,7 +63,13 @@ def test_sequence_aggregation_weighs_samples_equally():
 def test_gradient_points_up_for_positive_advantage():
     logp = torch.tensor([[-1.0]], requires_grad=True)
     out = policy_loss(
-        LossInputs(logp, torch.tensor([[-1.0]]), torch.tensor([2.0]), torch.tensor([[1.0]])), LossSettings()
+        LossInputs(
+            logprobs=logp,
+            behaviour_logprobs=torch.tensor([[-1.0]]),
+            advantages=torch.tensor([2.0]),
+            mask=torch.tensor([[1.0]]),
+        ),
+        LossSettings(),
     )
     out.loss.backward()
     assert float(logp.grad) == pytest.approx(-2.0)  # d(-ratio*A)/dlogp at ratio 1 = -A

@@ -139,7 +139,6 @@ def test_a_round_that_fails_cancels_the_rollout_waiting_for_its_weights(
     from flows.campaign import rl_campaign
     from flows.config import CampaignConfig
     from storage.paths import StorageRoot
-    from tasks.serving.engines import drop_serving_engines
 
     class Lost(Exception):
         pass
@@ -163,21 +162,18 @@ def test_a_round_that_fails_cancels_the_rollout_waiting_for_its_weights(
     }
     config = CampaignConfig.model_validate({"rounds": 2, "run_id": "cancel", "round": small})
     monkeypatch.setattr(stages, "crash_point", fail_after_train_1)
-    try:
-        with pytest.raises(Lost):
-            rl_campaign(config, storage=storage)
-        assert os.path.exists(root.stage_record("cancel", 1, "filter"))
-        assert not os.path.exists(root.stage_record("cancel", 2, "rollout"))  # cancelled, not recorded
-        monkeypatch.undo()
-        result = rl_campaign(config, storage=storage)
-        assert [r["round"] for r in result["rounds"]] == [0, 1, 2]
-        assert os.path.exists(root.stage_record("cancel", 2, "rollout"))
+    with pytest.raises(Lost):
+        rl_campaign(config, storage=storage)
+    assert os.path.exists(root.stage_record("cancel", 1, "filter"))
+    assert not os.path.exists(root.stage_record("cancel", 2, "rollout"))  # cancelled, not recorded
+    monkeypatch.undo()
+    result = rl_campaign(config, storage=storage)
+    assert [r["round"] for r in result["rounds"]] == [0, 1, 2]
+    assert os.path.exists(root.stage_record("cancel", 2, "rollout"))
 
-        early = CampaignConfig.model_validate({"rounds": 3, "run_id": "early", "stop_at_accuracy": 0.0, "round": small})
-        assert [r["round"] for r in rl_campaign(early, storage=storage)["rounds"]] == [0, 1]
-        assert os.path.exists(root.stage_record("early", 1, "record"))
-    finally:
-        drop_serving_engines()
+    early = CampaignConfig.model_validate({"rounds": 3, "run_id": "early", "stop_at_accuracy": 0.0, "round": small})
+    assert [r["round"] for r in rl_campaign(early, storage=storage)["rounds"]] == [0, 1]
+    assert os.path.exists(root.stage_record("early", 1, "record"))
 
 
 # -- a killed overlapped campaign ----------------------------------------------------------------------

@@ -24,9 +24,6 @@ def small_kv_cache():
     saved = os.environ.get("RLROUNDS_VLLM_ARGS")
     os.environ["RLROUNDS_VLLM_ARGS"] = '{"kv_cache_memory_bytes": 268435456}'
     yield
-    from tasks.serving.engines import drop_serving_engines
-
-    drop_serving_engines()
     if saved is None:
         os.environ.pop("RLROUNDS_VLLM_ARGS", None)
     else:

@@ -16,7 +16,7 @@ from tasks.config.filter import FilterConfig
 from tasks.config.prompts import PromptsConfig
 from tasks.config.rollout import RolloutConfig
 from tasks.config.verify import VerifyConfig
-from tasks.rollout.stage import generate_and_verify
+from tasks.rollout.collection import RolloutCollection
 
 # A random policy scores 0 everywhere; keeping zero-variance groups makes every complete group trainable.
 FILTER = FilterConfig(drop_zero_variance=False)
@@ -24,19 +24,18 @@ ROLLOUT = RolloutConfig(samples_per_prompt=4, max_tokens=10, max_batch=16)
 
 
 def _round(engine, tok, round_index, carried=None, rollout=ROLLOUT):
-    return generate_and_verify(
+    return RolloutCollection(
         engine,
         tok,
-        PromptsConfig(),
-        rollout,
-        VerifyConfig(),
-        FILTER,
+        prompts=PromptsConfig(),
+        rollout=rollout,
+        verify=VerifyConfig(),
+        filtering=FILTER,
         target_groups=3,
         seed=100 + round_index,
         run_id="t",
         round_index=round_index,
-        carried_rows=carried,
-    )
+    ).collect(carried_rows=carried)
 
 
 def _through_parquet(rows):
@@ -128,9 +127,18 @@ def test_a_verifier_pool_too_small_for_the_engine_shows_as_queue_wait(tiny_polic
     waits = {}
     for workers in (1, 64):
         verify = VerifyConfig(workers=workers, simulated_environment=delay)
-        result = generate_and_verify(
-            engine, tok, PromptsConfig(), ROLLOUT, verify, FILTER, target_groups=3, seed=7, run_id="t", round_index=1
-        )
+        result = RolloutCollection(
+            engine,
+            tok,
+            prompts=PromptsConfig(),
+            rollout=ROLLOUT,
+            verify=verify,
+            filtering=FILTER,
+            target_groups=3,
+            seed=7,
+            run_id="t",
+            round_index=1,
+        ).collect()
         waits[workers] = result.stats["verify/queue_wait_p90_s"]
         assert result.stats["verify/env_latency_p50_s"] == pytest.approx(0.01, abs=0.005)
     # one worker verifies 100 samples a second, far fewer than the engine finishes: they queue for it

@@ -34,17 +34,16 @@ CAMPAIGN = {
 def local_ray():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield
-    from tasks.serving.engines import drop_serving_engines
-
-    drop_serving_engines()  # kill the replica actors before Ray goes
-    ray.shutdown()
+    ray.shutdown()  # every test and campaign here closed the replica sets it started
 
 
 @pytest.fixture(scope="module")
 def router(tiny_policy_dir):
     from tasks.serving.engines import make_engine
 
-    engine, tokenizer = make_engine("embedded", tiny_policy_dir, "float32", 0, max_batch=16, placement=Placement(2))
+    engine, tokenizer = make_engine(
+        "embedded", tiny_policy_dir, dtype="float32", policy_version=0, max_batch=16, placement=Placement(2)
+    )
     yield engine, tokenizer
     engine.close()
 
@@ -58,7 +57,7 @@ def test_replicas_give_the_samples_one_engine_gives(router, tiny_policy_dir):
     assert engine.replicas == 2 and engine.info.name == "embedded"
     params = SamplingParams(temperature=1.0, max_tokens=6, seed=9)
     got = {(s.group_id, s.sample_index): (s.token_ids, s.logprobs) for s in engine.generate(_requests(tok, 4, params))}
-    single = build_engine("embedded", tiny_policy_dir, "float32", 0)
+    single = build_engine("embedded", tiny_policy_dir, dtype="float32", policy_version=0)
     expected = {
         (s.group_id, s.sample_index): (s.token_ids, s.logprobs) for s in single.generate(_requests(tok, 4, params))
     }
@@ -147,23 +146,29 @@ def campaign(prefect_harness, seed_builtin_base, tmp_path_factory):
     """The campaign, and what each engine it released served when its flow finished."""
     from flows.campaign import rl_campaign
     from flows.config import CampaignConfig
-    from tasks.serving import engines
+    from models.engines.embedded import EmbeddedEngine
+    from models.engines.replicas import ReplicaRouter
 
     storage = str(tmp_path_factory.mktemp("ray") / "data")
     seed_builtin_base(storage)
     released = []
-    close = engines.close_engine
+    closes = {kind: kind.close for kind in (EmbeddedEngine, ReplicaRouter)}
 
-    def observed_close(engine):
-        actors = getattr(engine, "actors", [])
-        released.append((engine, [version for _, version in ray.get([a.describe.remote() for a in actors])]))
-        close(engine)
+    def observed(close):
+        def observed_close(engine):
+            actors = getattr(engine, "actors", [])
+            released.append((engine, [version for _, version in ray.get([a.describe.remote() for a in actors])]))
+            close(engine)
 
-    engines.close_engine = observed_close
+        return observed_close
+
+    for kind, close in closes.items():
+        kind.close = observed(close)
     try:
         result = rl_campaign(CampaignConfig.model_validate(CAMPAIGN), storage=storage)
     finally:
-        engines.close_engine = close
+        for kind, close in closes.items():
+            kind.close = close
     return storage, result, released
 
 

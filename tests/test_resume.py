@@ -14,9 +14,10 @@ import pytest
 
 from storage.campaigns import CampaignError
 from storage.paths import StorageRoot
+from tasks.config.base import NotInput
 from tasks.config.filter import FilterConfig
 from tasks.round.context import RoundContext
-from tasks.round.results import NotInput, TrajectoryVersion
+from tasks.round.results import TrajectoryVersion
 
 
 def _ctx(tmp_path, **fields):
@@ -122,6 +123,7 @@ def test_the_carry_over_a_round_resumes_and_stages_is_part_of_its_keys(tmp_path)
     from tasks.config.prompts import PromptsConfig
     from tasks.config.rollout import RolloutConfig
     from tasks.config.verify import VerifyConfig
+    from tasks.serving.live import LiveEngines
 
     rollout, filtering = stage_function(tasks.rollout_task), stage_function(tasks.filter_task)
     assert "carry_from" in declared_inputs(rollout)[0] and "carryover" in declared_inputs(filtering)[0]
@@ -133,8 +135,10 @@ def test_the_carry_over_a_round_resumes_and_stages_is_part_of_its_keys(tmp_path)
         filtering=FilterConfig(),
         target_groups=2,
         carry_from="/v1",
+        engines=LiveEngines(),
     )
     key = inputs_key("rollout", rollout, args)
+    assert inputs_key("rollout", rollout, {**args, "engines": LiveEngines()}) == key  # which engines: not an input
     assert inputs_key("rollout", rollout, {**args, "carry_from": "/v1-other"}) != key
     assert inputs_key("rollout", rollout, {**args, "carry_from": None}) != key
     assert inputs_key("rollout", rollout, {**args, "rollout": RolloutConfig(partial_rollouts=False)}) != key
@@ -459,17 +463,11 @@ def test_rerunning_the_flow_with_the_same_run_id_continues_it(prefect_harness, w
         }
     )
     storage = str(tmp_path / "data")
-    from tasks.serving.engines import drop_serving_engines
-
-    drop_serving_engines()  # another test's engine may serve a policy of another shape in this process
     monkeypatch.setattr(stages, "crash_point", stop_after_train_1)
-    try:
-        with pytest.raises(Stopped):
-            rl_campaign(config, storage=storage)
-        monkeypatch.undo()
-        result = rl_campaign(config, storage=storage)
-    finally:
-        drop_serving_engines()  # this process's engine serves the weak base: no later test may find it
+    with pytest.raises(Stopped):
+        rl_campaign(config, storage=storage)  # its engines are released with it, crash or not
+    monkeypatch.undo()
+    result = rl_campaign(config, storage=storage)
     root = StorageRoot.of(storage)
     assert [r["round"] for r in result["rounds"]] == [0, 1]
     assert result["rounds"][1]["trajectory_version"] == committed_round_version(root, "rerun", 1).version

@@ -36,18 +36,18 @@ class Environment:
 @pytest.fixture
 def faulty_round(tmp_path, tiny_policy_dir, monkeypatch):
     from flows.config import RoundConfig
+    from flows.resources import CampaignResources
     from tasks.config.verify import KNOWN_VERIFIERS
     from tasks.filter.stage import run_filter
     from tasks.rollout.stage import run_rollout
     from tasks.round.context import RoundContext
-    from tasks.serving.engines import drop_serving_engines
     from tasks.verifiers import registry
     from tasks.verifiers.registry import VerifierSpec
 
     environment = Environment()
     monkeypatch.setitem(registry.VERIFIERS, "flaky-env", VerifierSpec("1", lambda _config: environment))
     monkeypatch.setitem(KNOWN_VERIFIERS, "flaky-env", "test")
-    drop_serving_engines()
+    resources = CampaignResources()
     config = RoundConfig.model_validate(
         {
             "verify": {"verifier": "flaky-env", "infra_retries": 1, "max_infra_failure_rate": 0.5},
@@ -77,6 +77,7 @@ def faulty_round(tmp_path, tiny_policy_dir, monkeypatch):
         verify=config.verify_resolved,
         filtering=config.filter,
         target_groups=config.target_groups,
+        engines=resources.engines,
     )
     trajectories = run_filter(
         ctx=ctx,
@@ -85,8 +86,14 @@ def faulty_round(tmp_path, tiny_policy_dir, monkeypatch):
         target_groups=config.target_groups,
         rollout_stats=rollout.stats,
     )
-    yield {"ctx": ctx, "config": config, "version": trajectories.version, "environment": environment}
-    drop_serving_engines()
+    with resources:
+        yield {
+            "ctx": ctx,
+            "config": config,
+            "version": trajectories.version,
+            "environment": environment,
+            "resources": resources,
+        }
 
 
 def _rows(storage, version):
@@ -140,6 +147,8 @@ def test_reverify_scores_infra_failures_again_into_a_replayable_derived_version(
         temperature=1.0,
         rollout_dtype="float32",
         target_checkpoint=str(ctx.storage) + "/reverified-checkpoint",
+        engines=faulty_round["resources"].engines,
+        trainers=faulty_round["resources"].trainers,
     )
     train = faulty_round["config"].train
     assert trained.stats["train/samples"] > 0 and trained.stats["train/steps"] == 2 * train.epochs

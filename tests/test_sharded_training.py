@@ -60,9 +60,17 @@ def one_process(parent: str, rows: list[dict], config, out: str, device: str = "
     batches = minibatches(rows, config.groups_per_step, config.steps_per_round)
     state, plan = load_optimizer(parent, model), [True] * len(batches)
     optimizer, stats = train_policy(
-        model, tokenizer.pad_token_id, batches, config, 1.0, state, 0, plan,
-        device=placed, precision=resolve_precision(config.precision, placed),
-    )  # fmt: skip
+        model,
+        tokenizer.pad_token_id,
+        batches,
+        config=config,
+        temperature=1.0,
+        optimizer=state,
+        current_version=0,
+        recompute=plan,
+        device=placed,
+        precision=resolve_precision(config.precision, placed),
+    )
     memory = resident_bytes(model, optimizer)
     save_policy(model.cpu(), tokenizer, out)
     save_optimizer(on_cpu(optimizer.state_dict()), out)
@@ -75,7 +83,13 @@ def two_workers(parent: str, rows: list[dict], config, out: str, device: str = "
 
     steps = len(minibatches(rows, config.groups_per_step, config.steps_per_round))
     shares = sharded_minibatches(rows, config.groups_per_step, config.steps_per_round, None, 2)
-    results = train_in_processes(2, parent, shares, TrainJob([], config, 1.0, 0, [True] * steps), device)
+    results = train_in_processes(
+        2,
+        parent,
+        shares,
+        TrainJob(shares=[], config=config, temperature=1.0, current_version=0, recompute=[True] * steps),
+        device,
+    )
     write_files(out, {name: data for r in results for name, data in r.files.items()})
     return results
 

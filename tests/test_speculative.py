@@ -364,21 +364,30 @@ def test_a_speculative_campaign_stores_the_rows_plain_sampling_stores(tiny_campa
     # The stage's own pieces on this store: the history of rounds 1-2 drafts a third round's collection, whose rows
     # are the plain collection's.
     from flows.config import RoundConfig
+    from tasks.rollout.collection import RolloutCollection
     from tasks.rollout.speculation import RoundSpeculation
-    from tasks.rollout.stage import generate_and_verify
-    from tasks.serving.engines import serving_engine
+    from tasks.serving.engines import make_engine
 
     rc = RoundConfig.model_validate(config["round"])
     base = StorageRoot.of(storage).base_policy("builtin-addition-v2")
-    engine, tokenizer, _ = serving_engine("embedded", base, "float32", 0, 64)
+    engine, tokenizer = make_engine("embedded", base, dtype="float32", policy_version=0, max_batch=64)
     collected = {}
     for on in (False, True):
         settings = rc.rollout.speculative.model_copy(update={"enabled": on})
         speculation = RoundSpeculation(engine, settings, StorageRoot.of(storage), "tiny", 3)
         assert speculation.why_not is None and (speculation.index is not None) == on
-        result = generate_and_verify(
-            engine, tokenizer, rc.prompts, rc.rollout, rc.verify_resolved, rc.filter, 32, 5, "tiny", 3
-        )
+        result = RolloutCollection(
+            engine,
+            tokenizer,
+            prompts=rc.prompts,
+            rollout=rc.rollout,
+            verify=rc.verify_resolved,
+            filtering=rc.filter,
+            target_groups=32,
+            seed=5,
+            run_id="tiny",
+            round_index=3,
+        ).collect()
         figures = speculation.finish()
         assert figures["rollout/decode_steps"] > 0
         collected[on] = {(r.group_id, r.sample_index): r.completion_token_ids for r in result.rows}

@@ -18,15 +18,12 @@ def coin(completion, reference):
 @pytest.fixture
 def coin_verifier(monkeypatch):
     from tasks.config.verify import KNOWN_VERIFIERS
-    from tasks.serving.engines import drop_serving_engines
     from tasks.verifiers import registry
     from tasks.verifiers.registry import VerifierSpec
 
     monkeypatch.setitem(registry.VERIFIERS, "coin", VerifierSpec("test", lambda _config: coin))
     monkeypatch.setitem(KNOWN_VERIFIERS, "coin", "test")
-    drop_serving_engines()  # the rounds below start serving engines on tiny policies of their own shape
-    yield "coin"
-    drop_serving_engines()
+    return "coin"
 
 
 def _context(storage, parent, run_id="t", round_index=1):
@@ -64,15 +61,18 @@ def _round_config(train: dict, top_p: float = 1.0, groups: int = 4):
 def _trajectories(ctx, config) -> str:
     from tasks.filter.stage import run_filter
     from tasks.rollout.stage import run_rollout
+    from tasks.serving.live import LiveEngines
 
-    rollout = run_rollout(
-        ctx=ctx,
-        prompts=config.prompts,
-        rollout=config.rollout,
-        verify=config.verify_resolved,
-        filtering=config.filter,
-        target_groups=config.target_groups,
-    )
+    with LiveEngines() as engines:
+        rollout = run_rollout(
+            ctx=ctx,
+            prompts=config.prompts,
+            rollout=config.rollout,
+            verify=config.verify_resolved,
+            filtering=config.filter,
+            target_groups=config.target_groups,
+            engines=engines,
+        )
     return run_filter(
         ctx=ctx,
         staging=rollout.staging,
@@ -83,16 +83,20 @@ def _trajectories(ctx, config) -> str:
 
 
 def _train(ctx, uri, config, target):
+    from flows.resources import CampaignResources
     from tasks.train.stage import run_train
 
-    return run_train(
-        ctx=ctx,
-        trajectory_uri=uri,
-        config=config.train,
-        temperature=config.rollout.temperature,
-        rollout_dtype=config.rollout.dtype,
-        target_checkpoint=target,
-    )
+    with CampaignResources() as resources:
+        return run_train(
+            ctx=ctx,
+            trajectory_uri=uri,
+            config=config.train,
+            temperature=config.rollout.temperature,
+            rollout_dtype=config.rollout.dtype,
+            target_checkpoint=target,
+            engines=resources.engines,
+            trainers=resources.trainers,
+        )
 
 
 def _perturbed_round(storage, base_dir) -> str:
@@ -274,12 +278,37 @@ def test_mismatch_is_measured_at_the_sampling_weights(tiny_policy_dir, recompute
     first, second = exact([0, 1]), exact([2, 3])
     shifted = [[v - 0.5 for v in row] for row in second]  # the engine disagrees by 0.5 nats on minibatch 2 only
     batches = [
-        TrainBatch([prompts[0], prompts[1]], completions[:2], first, [1.0, -1.0], [[0] * 3] * 2, [1.0, 1.0], 3),
-        TrainBatch([prompts[2], prompts[3]], completions[2:], shifted, [1.0, -1.0], [[0] * 3] * 2, [1.0, 1.0], 3),
+        TrainBatch(
+            prompt_ids=[prompts[0], prompts[1]],
+            completion_ids=completions[:2],
+            behaviour=first,
+            advantages=[1.0, -1.0],
+            policy_versions=[[0] * 3] * 2,
+            top_p=[1.0, 1.0],
+            max_tokens=3,
+        ),
+        TrainBatch(
+            prompt_ids=[prompts[2], prompts[3]],
+            completion_ids=completions[2:],
+            behaviour=shifted,
+            advantages=[1.0, -1.0],
+            policy_versions=[[0] * 3] * 2,
+            top_p=[1.0, 1.0],
+            max_tokens=3,
+        ),
     ]
     # without the proximal pass a 0.5-nat disagreement reads as drift: no drift limit here
     config = TrainConfig(max_kl=None)
-    _, stats = train_policy(model, tokenizer.pad_token_id, batches, config, 1.0, None, 0, recompute)
+    _, stats = train_policy(
+        model,
+        tokenizer.pad_token_id,
+        batches,
+        config=config,
+        temperature=1.0,
+        optimizer=None,
+        current_version=0,
+        recompute=recompute,
+    )
     if recompute:  # every minibatch at the sampling weights: 6 of 12 tokens off by 0.5
         assert stats["train/mismatch_mean_abs"] == pytest.approx(0.25, abs=1e-5)
         assert stats["train/mismatch_max_abs"] == pytest.approx(0.5, abs=1e-5)
@@ -308,13 +337,47 @@ def test_epochs_repeat_the_rounds_minibatches_in_order(tiny_policy_dir, recomput
 
     model, tokenizer = load_policy(tiny_policy_dir)
     prompt = [tokenizer.bos_token_id, 3, 4, 13]
-    a = TrainBatch([prompt] * 2, [[5, 6, 7], [8, 9, 2]], [[-2.0] * 3] * 2, [1.0, -1.0], [[0] * 3] * 2, [1.0] * 2, 3)
-    b = TrainBatch([prompt] * 2, [[9, 5, 2], [6, 6, 6]], [[-2.5] * 3] * 2, [-1.0, 1.0], [[0] * 3] * 2, [1.0] * 2, 3)
+    a = TrainBatch(
+        prompt_ids=[prompt] * 2,
+        completion_ids=[[5, 6, 7], [8, 9, 2]],
+        behaviour=[[-2.0] * 3] * 2,
+        advantages=[1.0, -1.0],
+        policy_versions=[[0] * 3] * 2,
+        top_p=[1.0] * 2,
+        max_tokens=3,
+    )
+    b = TrainBatch(
+        prompt_ids=[prompt] * 2,
+        completion_ids=[[9, 5, 2], [6, 6, 6]],
+        behaviour=[[-2.5] * 3] * 2,
+        advantages=[-1.0, 1.0],
+        policy_versions=[[0] * 3] * 2,
+        top_p=[1.0] * 2,
+        max_tokens=3,
+    )
     twice, once = copy.deepcopy(model), copy.deepcopy(model)
     # made-up behaviour logprobs are far from the model's: no drift limit, or the first update would be the last
     two, one = TrainConfig(epochs=2, max_kl=None), TrainConfig(epochs=1, max_kl=None)
-    _, stats = train_policy(twice, tokenizer.pad_token_id, [a, b], two, 1.0, None, 0, recompute)
-    _, flat = train_policy(once, tokenizer.pad_token_id, [a, b, a, b], one, 1.0, None, 0, recompute)
+    _, stats = train_policy(
+        twice,
+        tokenizer.pad_token_id,
+        [a, b],
+        config=two,
+        temperature=1.0,
+        optimizer=None,
+        current_version=0,
+        recompute=recompute,
+    )
+    _, flat = train_policy(
+        once,
+        tokenizer.pad_token_id,
+        [a, b, a, b],
+        config=one,
+        temperature=1.0,
+        optimizer=None,
+        current_version=0,
+        recompute=recompute,
+    )
     for p, q in zip(twice.parameters(), once.parameters()):
         assert torch.equal(p, q)
     assert not all(torch.equal(p, q) for p, q in zip(twice.parameters(), model.parameters()))
@@ -345,15 +408,37 @@ def test_updates_stop_once_the_policy_drifts_past_max_kl(tiny_policy_dir):
         with torch.no_grad():  # behaviour logprobs: the sampling policy's own, as the fp32 engine records
             behaviour = completion_logprobs(model, pack_shared(prompts, completions, tokenizer.pad_token_id))
         batches.append(
-            TrainBatch(prompts, completions, behaviour.tolist(), [1.0, -1.0, 1.0, -1.0], [[0] * 3] * 4, [1.0] * 4, 3)
+            TrainBatch(
+                prompt_ids=prompts,
+                completion_ids=completions,
+                behaviour=behaviour.tolist(),
+                advantages=[1.0, -1.0, 1.0, -1.0],
+                policy_versions=[[0] * 3] * 4,
+                top_p=[1.0] * 4,
+                max_tokens=3,
+            )
         )
     fast = dict(learning_rate=5e-3, epochs=2)
     free, limited = copy.deepcopy(model), copy.deepcopy(model)
     _, all_steps = train_policy(
-        free, tokenizer.pad_token_id, batches, TrainConfig(**fast, max_kl=None), 1.0, None, 0, False
+        free,
+        tokenizer.pad_token_id,
+        batches,
+        config=TrainConfig(**fast, max_kl=None),
+        temperature=1.0,
+        optimizer=None,
+        current_version=0,
+        recompute=False,
     )
     _, stopped = train_policy(
-        limited, tokenizer.pad_token_id, batches, TrainConfig(**fast, max_kl=1e-3), 1.0, None, 0, False
+        limited,
+        tokenizer.pad_token_id,
+        batches,
+        config=TrainConfig(**fast, max_kl=1e-3),
+        temperature=1.0,
+        optimizer=None,
+        current_version=0,
+        recompute=False,
     )
     assert all_steps["train/steps"] == 8 and all_steps["train/stopped_at_kl"] == 0.0
     steps = int(stopped["train/steps"])
@@ -362,7 +447,14 @@ def test_updates_stop_once_the_policy_drifts_past_max_kl(tiny_policy_dir):
     replay = copy.deepcopy(model)  # the same updates, made by asking for exactly those minibatches
     schedule = [batches[i % 4] for i in range(steps)]
     train_policy(
-        replay, tokenizer.pad_token_id, schedule, TrainConfig(**dict(fast, epochs=1), max_kl=None), 1.0, None, 0, False
+        replay,
+        tokenizer.pad_token_id,
+        schedule,
+        config=TrainConfig(**dict(fast, epochs=1), max_kl=None),
+        temperature=1.0,
+        optimizer=None,
+        current_version=0,
+        recompute=False,
     )
     for p, q in zip(replay.parameters(), limited.parameters()):
         assert torch.equal(p, q)
@@ -403,9 +495,26 @@ def test_tokens_of_older_versions_are_measured_as_lag(tiny_policy_dir):
     behaviour = [[-2.0] * 3, [-2.0] * 3]
     # trained policy version 2: the first sample's first token came from version 0, the rest from 2
     versions = [[0, 2, 2], [2, 2, 2]]
-    batch = TrainBatch(prompts, completions, behaviour, [1.0, -1.0], versions, [1.0, 1.0], 3)
+    batch = TrainBatch(
+        prompt_ids=prompts,
+        completion_ids=completions,
+        behaviour=behaviour,
+        advantages=[1.0, -1.0],
+        policy_versions=versions,
+        top_p=[1.0, 1.0],
+        max_tokens=3,
+    )
     torch.manual_seed(0)
-    _, stats = train_policy(model, tokenizer.pad_token_id, [batch], TrainConfig(), 1.0, None, 2, True)
+    _, stats = train_policy(
+        model,
+        tokenizer.pad_token_id,
+        [batch],
+        config=TrainConfig(),
+        temperature=1.0,
+        optimizer=None,
+        current_version=2,
+        recompute=True,
+    )
     assert stats["train/lag_versions_max"] == 2.0 and stats["train/lag_versions_mean"] == pytest.approx(2 / 6)
     assert stats["train/samples_spanning_versions_share"] == 0.5
     assert stats["train/behaviour_kl_k3"] > 0 and stats["train/behaviour_weight_p99"] > 0
@@ -415,7 +524,15 @@ def test_the_proximal_pass_runs_only_for_the_minibatches_that_need_it():
     from tasks.train.policy_update import TrainBatch, proximal_plan
 
     def batch(versions, top_p=1.0):
-        return TrainBatch([[1]], [[2] * len(versions)], [[0.0] * len(versions)], [1.0], [versions], [top_p], 4)
+        return TrainBatch(
+            prompt_ids=[[1]],
+            completion_ids=[[2] * len(versions)],
+            behaviour=[[0.0] * len(versions)],
+            advantages=[1.0],
+            policy_versions=[versions],
+            top_p=[top_p],
+            max_tokens=4,
+        )
 
     embedded = [{"name": "embedded", "dtype": "float32"}]
     carried, fresh, nucleus = batch([1, 2]), batch([2, 2]), batch([2, 2], top_p=0.9)

@@ -44,9 +44,6 @@ def small_kv_cache():
     saved = os.environ.get("RLROUNDS_VLLM_ARGS")
     os.environ["RLROUNDS_VLLM_ARGS"] = '{"kv_cache_memory_bytes": 268435456}'
     yield
-    from tasks.serving.engines import drop_serving_engines
-
-    drop_serving_engines()  # stop the engine-core processes before the next module
     if saved is None:
         os.environ.pop("RLROUNDS_VLLM_ARGS", None)
     else:
@@ -61,11 +58,19 @@ def storage(seed_builtin_base, tmp_path_factory) -> tuple[str, str]:
 
 
 @pytest.fixture(scope="module")
-def served(storage):
-    """The float32 vLLM serving engine on the built-in base, version 0 (the round reuses it)."""
-    from tasks.serving.engines import serving_engine
+def live():
+    """The module's live engines, as a campaign holds them; closed (engine-core processes stopped) after it."""
+    from flows.resources import CampaignResources
 
-    engine, tokenizer, pause = serving_engine("vllm", storage[1], "float32", 0, max_batch=256)
+    with CampaignResources() as resources:
+        yield resources
+
+
+@pytest.fixture(scope="module")
+def served(storage, live):
+    """The float32 vLLM serving engine on the built-in base, version 0 (the round reuses it)."""
+
+    engine, tokenizer, pause = live.engines.serve("vllm", storage[1], dtype="float32", policy_version=0, max_batch=256)
     assert pause == 0.0
     return engine, tokenizer
 
@@ -165,9 +170,8 @@ def test_stopping_the_feed_aborts_in_flight_samples_and_the_engine_serves_on(ser
     assert len(list(engine.generate(_requests(tok, 2, params)))) == 2 * len(PROMPTS)
 
 
-def test_weights_are_replaced_in_place_and_samples_record_the_new_version(served, storage, tmp_path):
+def test_weights_are_replaced_in_place_and_samples_record_the_new_version(served, live, storage, tmp_path):
     from models.checkpoint import save_policy
-    from tasks.serving.engines import serving_engine
 
     engine, tok = served
     core = engine.llm.llm_engine.engine_core
@@ -180,7 +184,7 @@ def test_weights_are_replaced_in_place_and_samples_record_the_new_version(served
     greedy = SamplingParams(temperature=0.0, max_tokens=6)
     before = {s.group_id: s.token_ids for s in engine.generate(_requests(tok, 1, greedy))}
 
-    same, _, pause = serving_engine("vllm", str(tmp_path), "float32", 5)
+    same, _, pause = live.engines.serve("vllm", str(tmp_path), dtype="float32", policy_version=5)
     assert same is engine and engine.llm.llm_engine.engine_core is core  # no restart
     assert 0.0 < pause < 30.0
     after = list(engine.generate(_requests(tok, 1, greedy)))
@@ -191,13 +195,12 @@ def test_weights_are_replaced_in_place_and_samples_record_the_new_version(served
     assert {s.group_id: s.token_ids for s in after} == expected != before
     assert all(s.token_policy_versions == [5] * len(s.token_ids) for s in after)
 
-    serving_engine("vllm", storage[1], "float32", 0)  # back to the base for the round below
+    live.engines.serve("vllm", storage[1], dtype="float32", policy_version=0)  # back to the base for the round below
     assert {s.group_id: s.token_ids for s in engine.generate(_requests(tok, 1, greedy))} == before
 
 
-def test_stopped_requests_come_back_partial_and_resume_under_new_weights(served, storage, tmp_path):
+def test_stopped_requests_come_back_partial_and_resume_under_new_weights(served, live, storage, tmp_path):
     from models.checkpoint import save_policy
-    from tasks.serving.engines import serving_engine
 
     engine, tok = served
     # ignore_eos: every sample runs 12 tokens, so all are in flight at the stop on any CPU (the base answers
@@ -225,7 +228,7 @@ def test_stopped_requests_come_back_partial_and_resume_under_new_weights(served,
             p.add_(0.3 * torch.randn_like(p))
     save_policy(new, tok, str(tmp_path))
     try:
-        serving_engine("vllm", str(tmp_path), "float32", 1)
+        live.engines.serve("vllm", str(tmp_path), dtype="float32", policy_version=1)
         resume = [
             GroupRequest(
                 r.group_id, r.prompt_token_ids, r.n, r.sampling, tuple(s for s in partial if s.group_id == r.group_id)
@@ -235,7 +238,9 @@ def test_stopped_requests_come_back_partial_and_resume_under_new_weights(served,
         ]
         done = {(s.group_id, s.sample_index): s for s in engine.generate(resume)}
     finally:
-        serving_engine("vllm", storage[1], "float32", 0)  # back to the base for the round below
+        live.engines.serve(
+            "vllm", storage[1], dtype="float32", policy_version=0
+        )  # back to the base for the round below
     assert len(done) == len(partial)
     for before in partial:
         after = done[(before.group_id, before.sample_index)]
@@ -252,13 +257,12 @@ def test_stopped_requests_come_back_partial_and_resume_under_new_weights(served,
 
 
 @pytest.mark.parametrize("update_kv", ["recompute", "keep"])
-def test_weights_updated_mid_generation_label_every_token_with_its_version(served, storage, tmp_path, update_kv):
+def test_weights_updated_mid_generation_label_every_token_with_its_version(served, live, storage, tmp_path, update_kv):
     """Overlap mode on vLLM: new weights between two steps. 'recompute' re-admits the requests in flight
     as prompt + prefix, so every token's logprob is its own version's; 'keep' reloads under them."""
     from models.checkpoint import save_policy
     from models.logprobs import logprobs_by_version
     from tasks.rollout.overlap import UpdateAtStep
-    from tasks.serving.engines import serving_engine
 
     engine, tok = served
     policies = {}
@@ -273,13 +277,15 @@ def test_weights_updated_mid_generation_label_every_token_with_its_version(serve
     update = UpdateAtStep(str(tmp_path / "v1"), 1, step=5)  # at the fifth step
     engine.update_kv = update_kv
     try:
-        serving_engine("vllm", str(tmp_path / "v0"), "float32", 0)
+        live.engines.serve("vllm", str(tmp_path / "v0"), dtype="float32", policy_version=0)
         # ignore_eos: every sample is still running at the fifth step, whatever this CPU samples
         params = SamplingParams(temperature=1.0, max_tokens=12, seed=4, ignore_eos=True)
         samples = list(engine.generate(_requests(tok, 4, params), None, update))
     finally:
         engine.update_kv = "recompute"
-        serving_engine("vllm", storage[1], "float32", 0)  # back to the base for the round below
+        live.engines.serve(
+            "vllm", storage[1], dtype="float32", policy_version=0
+        )  # back to the base for the round below
     assert update.pause_s is not None and len(samples) == 4 * len(PROMPTS)
     assert engine.llm.llm_engine.get_num_unfinished_requests() == 0
     spanning = [s for s in samples if set(s.token_policy_versions) == {0, 1}]
@@ -317,7 +323,7 @@ def _client(storage):
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 
-def test_a_round_with_vllm_rollouts_records_the_engine_and_its_policy_version(campaign, served):
+def test_a_round_with_vllm_rollouts_records_the_engine_and_its_policy_version(campaign):
     from storage.paths import StorageRoot
     from storage.trajectories import list_manifests, read_table
     from tasks.config.rollout import RolloutConfig
@@ -334,8 +340,7 @@ def test_a_round_with_vllm_rollouts_records_the_engine_and_its_policy_version(ca
         assert r["finish_reason"] in ("stop", "length")
     assert set(groups.values()) == {RolloutConfig().samples_per_prompt}  # every group completed
     assert len({r["group_id"] for r in rows if r["kept"]}) == 8
-    engine, _ = served
-    assert engine.policy_version == 1  # publish loaded round 1 into the running engine
+    # publish loaded round 1 into the campaign's running engine: its pause is logged (the next test)
 
 
 def test_the_round_logs_alignment_publication_and_both_precisions(campaign):

@@ -15,7 +15,7 @@ from models.builtin import addition, longtail
 from models.builtin.recipe import RECIPE_VERSION, BaseRecipe
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class BuiltinTask:
     base_model: str
     """The value of ``policy.base_model`` that selects this base."""
@@ -43,15 +43,15 @@ class BuiltinTask:
 
 BUILTINS: dict[str, BuiltinTask] = {
     "builtin": BuiltinTask(
-        "builtin",
-        "builtin:addition",
-        addition.TASK_NAME,
-        addition,
-        addition.CHARACTERS,
-        8,
-        BaseRecipe(),
-        RECIPE_VERSION,
-        "builtin-addition-llama",
+        base_model="builtin",
+        source="builtin:addition",
+        task=addition.TASK_NAME,
+        data=addition,
+        characters=addition.CHARACTERS,
+        answer_tokens=8,
+        recipe=BaseRecipe(),
+        recipe_version=RECIPE_VERSION,
+        policy_name="builtin-addition-llama",
     ),
     # Longer sequences than addition: the counted-down answers reach 84 tokens, the recipe's examples 95,
     # and rollout lets wrong ones run on, so the model gets 128 positions. Smaller, faster steps than
@@ -60,13 +60,13 @@ BUILTINS: dict[str, BuiltinTask] = {
     # faster (docs/performance.md), and on a 2-core machine the build leaves the thread count of a
     # campaign after it in the same process alone (set_threads).
     "builtin-longtail": BuiltinTask(
-        "builtin-longtail",
-        "builtin:longtail",
-        longtail.TASK_NAME,
-        longtail,
-        longtail.CHARACTERS,
-        88,
-        BaseRecipe(
+        base_model="builtin-longtail",
+        source="builtin:longtail",
+        task=longtail.TASK_NAME,
+        data=longtail,
+        characters=longtail.CHARACTERS,
+        answer_tokens=88,
+        recipe=BaseRecipe(
             batch_size=64,
             learning_rate=2e-3,
             max_position_embeddings=128,
@@ -75,8 +75,8 @@ BUILTINS: dict[str, BuiltinTask] = {
             check_every=25,  # a check costs a few steps, but validation climbs fast near the stop
             stop_at_accuracy=0.50,  # stopped at 45% it counted worse and RL levelled off lower (docs/performance.md)
         ),
-        "3",  # v3: examples count down to 24 numbers (longtail.BASE_MAX_SPAN), v2's to 21
-        "builtin-longtail-llama",
+        recipe_version="3",  # v3: examples count down to 24 numbers (longtail.BASE_MAX_SPAN), v2's to 21
+        policy_name="builtin-longtail-llama",
     ),
 }
 BUILTIN_SOURCES: dict[str, BuiltinTask] = {b.source: b for b in BUILTINS.values()}

@@ -13,6 +13,7 @@ import json
 import os
 import sys
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -130,3 +131,23 @@ def build_chat_policy(out_dir: str, prompts_path: str = GSM_MINI, steps: int = 6
 
 if __name__ == "__main__":
     print(json.dumps(build_chat_policy(sys.argv[1], *sys.argv[2:3]), indent=2))
+
+
+def random_chat_policy(texts: Iterable[str], *, seed: int = 0, layers: int = 2) -> tuple[Qwen2ForCausalLM, Any]:
+    """The example's architecture and tokenizer (trained on ``texts``), at random weights and not saved: for tests and
+    benchmarks that need a chat model's shape and format but no skill (engines, episodes)."""
+    torch.manual_seed(seed)
+    tokenizer = build_chat_tokenizer(texts)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return Qwen2ForCausalLM(config).eval(), tokenizer

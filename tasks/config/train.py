@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 
-from tasks.config.base import Config
+from tasks.config.base import AddedInput, Config, NotInput
 
 
 class LoraConfig(Config):
@@ -80,21 +80,23 @@ class TrainConfig(Config):
     """Reference policy of the KL penalty. 'base': the campaign's starting policy, a fixed anchor the
     whole campaign is pulled towards. 'parent': the checkpoint the round starts from, a moving trust
     region that only limits how far one round moves."""
-    workers: int = Field(1, ge=1, le=4096)
+    workers: Annotated[int, AddedInput(since="2026-11")] = Field(1, ge=1, le=4096)
     """Trainer processes. 1: in the round's own process. N > 1: N Ray actors started once per campaign shard the
     policy and optimizer state with FSDP2 and split each step's groups, making the update one would."""
-    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    precision: Annotated[Literal["auto", "fp32", "bf16"], AddedInput(since="2026-11")] = "auto"
     """Training precision: 'fp32', or 'bf16' autocast over fp32 master weights and optimizer state. 'auto': bf16 on
     CUDA, fp32 on the CPU."""
-    max_tokens_per_microbatch: int | None = Field(None, ge=1)
+    max_tokens_per_microbatch: Annotated[
+        int | None, NotInput("the same update to float rounding, in bounded memory")
+    ] = Field(None, ge=1)
     """Back-propagate each minibatch in micro-batches of at most this many padded tokens, gradients accumulated into
     its one step under the whole minibatch's loss normalisation: the same update to float rounding, bounded
     activation memory. None: one pass."""
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: Annotated[bool, NotInput("the same update to float rounding, in less memory")] = False
     """Recompute each decoder layer's activations in the backward pass instead of keeping them: less memory, about
     one more forward pass. Samples are then scored over whole sequences (no shared prompt cache). Same update to
     float rounding."""
-    lora: LoraConfig | None = None
+    lora: Annotated[LoraConfig | None, AddedInput(since="2026-12-04", keyed_at_default=False)] = None
     """Train low-rank adapters instead of every weight: each round adds fresh adapters to its parent and trains only
     them; the checkpoint holds the policy with them merged (what engines load) and the adapters in adapter/. None:
     full fine-tuning."""

@@ -26,6 +26,7 @@ from storage.model_versions import parse_model_version
 from storage.paths import StorageRoot
 from storage.settings import settings
 from storage.tracking import Tracker, checkpoint_uri
+from tasks.config.base import NotInput
 from tasks.config.evaluate import EvaluateConfig
 from tasks.config.prompts import PromptsConfig
 from tasks.config.verify import VerifyConfig
@@ -33,8 +34,9 @@ from tasks.evaluate.gate import PROMOTED_TAG, champion_gate, recorded_verdict
 from tasks.prompts.sources import evaluation_prompts
 from tasks.publish.describe import describe_version
 from tasks.round.context import RoundContext
-from tasks.round.results import Evaluation, HeldOutScores, NotInput, VersionEvaluation
-from tasks.serving.engines import close_engine, make_engine, serving_engine
+from tasks.round.results import Evaluation, HeldOutScores, VersionEvaluation
+from tasks.serving.engines import make_engine
+from tasks.serving.live import LiveEngines
 from tasks.verifiers.outcome import Outcome, Verifier
 from tasks.verifiers.pool import run_verifier
 from tasks.verifiers.registry import get_verifier
@@ -73,34 +75,42 @@ def evaluate_checkpoint(
     prompts,
     verify: VerifyConfig,
     config: EvaluateConfig,
+    *,
     train_dtype: str = "float32",
+    engines: LiveEngines | None = None,
     policy_version: int | None = None,
     role: str = "rollout",
     device: str = "auto",
 ) -> HeldOutScores:
     """Score a local checkpoint on the serving engine/dtype and, if different, the training precision.
 
-    With ``policy_version`` the live serving engine of that kind and dtype is used (weights loaded in
-    place if it serves another checkpoint): a vLLM engine is started once per campaign, not per round.
-    ``role``: which live engine (tasks/serving/engines.py; overlap mode evaluates on its own).
-    Without it, a fresh engine is made and released after scoring. ``device``: where embedded engines score.
+    With ``engines`` and ``policy_version`` the live serving engine of that kind and dtype is used (weights loaded
+    in place if it serves another checkpoint): a vLLM engine is started once per campaign, not per round.
+    ``role``: which live engine (tasks/serving/live.py; overlap mode evaluates on its own).
+    Without them, a fresh engine is made and released after scoring. ``device``: where embedded engines score.
     """
     verifier = scoring_verifier(verify)
-    if policy_version is None:
-        engine, tokenizer = make_engine(
-            config.serving_engine, local_dir, config.serving_dtype, policy_version=0, device=device
+    live = engines is not None and policy_version is not None
+    if live:
+        engine, tokenizer, _ = engines.serve(
+            config.serving_engine,
+            local_dir,
+            dtype=config.serving_dtype,
+            policy_version=policy_version,
+            role=role,
+            device=device,
         )
     else:
-        engine, tokenizer, _ = serving_engine(
-            config.serving_engine, local_dir, config.serving_dtype, policy_version, role=role, device=device
+        engine, tokenizer = make_engine(
+            config.serving_engine, local_dir, dtype=config.serving_dtype, policy_version=0, device=device
         )
     try:
         serving = accuracy(engine, tokenizer, prompts, verifier, config.max_tokens)
     finally:
-        if policy_version is None:
-            close_engine(engine)
+        if not live:
+            engine.close()
     if (config.serving_engine, config.serving_dtype) != ("embedded", train_dtype):
-        train_engine, _ = make_engine("embedded", local_dir, train_dtype, policy_version=0, device=device)
+        train_engine, _ = make_engine("embedded", local_dir, dtype=train_dtype, policy_version=0, device=device)
         at_train = accuracy(train_engine, tokenizer, prompts, verifier, config.max_tokens)["accuracy"]
     else:
         at_train = serving["accuracy"]
@@ -168,6 +178,7 @@ def run_evaluate(
     checkpoint: str,
     model_version: str | None,
     train_dtype: str = "float32",
+    engines: Annotated[LiveEngines, NotInput("the live engines of the flow that runs the round")],
     engine_role: Annotated[str, NotInput("which live engine scores; greedy scores are the same on either")] = "rollout",
     device: Annotated[
         str, NotInput("where it computes: a round resumed on another machine is not scored again")
@@ -187,7 +198,15 @@ def run_evaluate(
     local = checkpoints.local_copy(root, checkpoint)
     held_out = evaluation_prompts(prompts, config.source)
     scores = evaluate_checkpoint(
-        local, held_out, verify, config, train_dtype, policy_version=ctx.round, role=engine_role, device=device
+        local,
+        held_out,
+        verify,
+        config,
+        train_dtype=train_dtype,
+        engines=engines,
+        policy_version=ctx.round,
+        role=engine_role,
+        device=device,
     )
     if not model_version:  # nothing registered, nothing to promote
         return Evaluation(**scores.model_dump(), promoted=False, gate_passed=False)
@@ -211,7 +230,16 @@ def run_evaluate(
         alias=config.champion_alias,
         approval_required=config.approval == "required",  # then a person decides (tasks/evaluate/approval.py)
         champion_accuracy=lambda champion: champion_accuracy(
-            tracker, root, name, champion, scores, held_out, verify, config, train_dtype, device
+            tracker,
+            root,
+            name,
+            champion,
+            scores=scores,
+            prompts=held_out,
+            verify=verify,
+            config=config,
+            train_dtype=train_dtype,
+            device=device,
         ),
     )
     describe_version(tracker, root, model_version)  # the MLflow UI's summary of the tags just written
@@ -223,6 +251,7 @@ def champion_accuracy(
     root,
     name: str,
     champion: str,
+    *,
     scores: HeldOutScores,
     prompts,
     verify: VerifyConfig,
@@ -244,7 +273,7 @@ def champion_accuracy(
     if same_place and "eval.accuracy" in tags:
         return float(tags["eval.accuracy"])
     local = checkpoints.local_copy(root, checkpoint_uri(registered))
-    scored = evaluate_checkpoint(local, prompts, verify, config, train_dtype, policy_version=None, device=device)
+    scored = evaluate_checkpoint(local, prompts, verify, config, train_dtype=train_dtype, device=device)
     tracker.tag_model_version(name, champion, precision_tags(scored))
     return scored.accuracy
 
@@ -257,6 +286,7 @@ def run_evaluate_version(
     prompts: PromptsConfig,
     verify: VerifyConfig,
     train_dtype: str = "float32",
+    engines: Annotated[LiveEngines, NotInput("the live engines of the flow that scores")],
     device: str = "auto",
 ) -> VersionEvaluation:
     """Score a registered model version ('NAME/VERSION') at ``config``'s serving engine and dtype and at
@@ -268,10 +298,19 @@ def run_evaluate_version(
     local = checkpoints.local_copy(root, checkpoint_uri(registered))
     held_out = evaluation_prompts(prompts, config.source)
     round_tag = str(registered.tags.get("round", ""))
-    # With its policy version known, the version is scored on the live serving engine when this
-    # process has one of that kind and dtype (weights swapped in place) instead of starting another.
+    # With its policy version known, the version is scored on the live serving engine when the calling
+    # flow has one of that kind and dtype (weights swapped in place) instead of starting another.
     policy_version = int(round_tag) if round_tag.isdigit() else None
-    scores = evaluate_checkpoint(local, held_out, verify, config, train_dtype, policy_version, device=device)
+    scores = evaluate_checkpoint(
+        local,
+        held_out,
+        verify,
+        config,
+        train_dtype=train_dtype,
+        engines=engines,
+        policy_version=policy_version,
+        device=device,
+    )
     tags = precision_tags(scores)
     if "eval.accuracy" not in registered.tags:  # never evaluated: this becomes its evaluation
         tags.update(evaluation_tags(scores))

@@ -26,9 +26,10 @@ from storage.trajectories import (
     read_table,
     write_version,
 )
+from tasks.config.base import NotInput
 from tasks.config.filter import FilterConfig
 from tasks.round.context import RoundContext
-from tasks.round.results import NotInput, Stats, TrajectoryVersion
+from tasks.round.results import Stats, TrajectoryVersion
 from tasks.verifiers.outcome import Outcome
 
 DROP_INFRA = "infra_failure"  # the environment failed: never a zero reward in the gradient

@@ -4,8 +4,9 @@ live rollout engine serve it.
 Two costs are measured apart: ``publish/latency_s`` (checkpoint committed -> registered -> engine
 serving it) and ``publish/engine_pause_s`` (the part of that during which the engine could not serve).
 On GPUs a vLLM engine takes the weights from the trainer's memory when the trainer offered them
-(``tasks.serving.engines.offer_weights``), not from the checkpoint files; ``publish/weights_from_memory`` says
-which (1 or 0). The checkpoint is written and registered either way: lineage reads it.
+(``LiveEngines.offer_weights``, tasks/serving/live.py), not from the checkpoint files;
+``publish/weights_from_memory`` says which (1 or 0). The checkpoint is written and registered either way:
+lineage reads it.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ from storage import checkpoints
 from storage.paths import StorageRoot
 from storage.settings import settings
 from storage.tracking import LINE_TAG, Tracker
+from tasks.config.base import NotInput
 from tasks.config.publish import PublishConfig
 from tasks.round.context import RoundContext
-from tasks.round.results import NotInput, Published
-from tasks.serving.engines import offered, serving_engine, takes_weights_from_memory
+from tasks.round.results import Published
+from tasks.serving.live import LiveEngines, takes_weights_from_memory
 
 
 def lineage_tags(ctx: RoundContext, *, trajectory_version: str, line: str) -> dict[str, str]:
@@ -53,12 +55,13 @@ def run_publish(
     engine: str,
     engine_dtype: str,
     max_batch: int,
+    engines: Annotated[LiveEngines, NotInput("the live engines of the flow that runs the round")],
     load_engine: Annotated[
         bool, NotInput("overlap mode: the next round's rollout loads the weights itself, mid-generation")
     ] = True,
     device: Annotated[str, NotInput("where the live engine computes")] = "auto",
 ) -> Published:
-    """Register the checkpoint with its lineage tags, then load it into the live rollout engine
+    """Register the checkpoint with its lineage tags, then load it into the live rollout engine of ``engines``
     (``engine`` at ``engine_dtype`` on ``device``, the round's rollout engine). ``load_engine`` False (overlap mode):
     register only; the running rollout takes the weights (its ``rollout/weight_update_*`` figures)."""
     start = time.time()
@@ -77,9 +80,15 @@ def run_publish(
     stats = {"publish/register_s": registered - start}
     if load_engine:
         local = checkpoints.local_copy(root, checkpoint)
-        weights = offered(checkpoint)
-        served, _, stats["publish/engine_pause_s"] = serving_engine(
-            engine, local, engine_dtype, ctx.round, max_batch, weights=weights, device=device
+        weights = engines.take_offered(checkpoint)
+        served, _, stats["publish/engine_pause_s"] = engines.serve(
+            engine,
+            local,
+            dtype=engine_dtype,
+            policy_version=ctx.round,
+            max_batch=max_batch,
+            weights=weights,
+            device=device,
         )
         stats["publish/weights_from_memory"] = float(weights is not None and takes_weights_from_memory(served))
     stats["publish/latency_s"] = time.time() - committed_at

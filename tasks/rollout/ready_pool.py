@@ -123,7 +123,7 @@ class PoolLimits:
     in flight can bring in more than it will next round, when it is resumed. None: they run to the end."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Harvest:
     ready: list[Group]  # every sample finished and verified, in the order the groups finished generating
     carry: list[Group]  # the rest: partial samples, and finished samples still waiting on the environment
@@ -302,13 +302,13 @@ class ReadyPool:
                 if slot.verdict is None:
                     slot.verified_at = None
         return Harvest(
-            ready,
-            carry,
-            self.trainable,
-            self.batch_ready_at,
-            self.stopped_at,
-            len(self._outstanding),
-            not self._patient,
+            ready=ready,
+            carry=carry,
+            trainable=self.trainable,
+            batch_ready_at=self.batch_ready_at,
+            stopped_at=self.stopped_at,
+            abandoned=len(self._outstanding),
+            waited_for_slow_environment=not self._patient,
         )
 
     # -- internals ---------------------------------------------------------------------------------

@@ -56,7 +56,12 @@ def start_speculation(
 class RoundSpeculation:
     """One rollout's speculation: on from construction (``why_not`` says why it is not, where it cannot be) until
     ``finish``, which turns it off (evaluation and publish share the engine and sample plainly) and returns the
-    rollout's figures: its decode steps, and what speculation did in them."""
+    rollout's figures (``figures``): its decode steps, and what speculation did in them. As a context manager it
+    finishes on leaving the block, however the block ends:
+
+        with RoundSpeculation(engine, settings, root, run_id, round_index) as speculation:
+            result = collection.collect(...)
+        stats.update(speculation.figures)"""
 
     def __init__(
         self, engine: RolloutEngine, settings: SpeculativeConfig, root: StorageRoot, run_id: str, round_index: int
@@ -71,7 +76,14 @@ class RoundSpeculation:
         if self.index is not None:
             self.engine.speculate(None)
             used = self.engine.speculation_stats.minus(self._used)
-        return speculation_figures(self.index, used, self.engine.decode_steps - self._steps, self.why_not)
+        self.figures = speculation_figures(self.index, used, self.engine.decode_steps - self._steps, self.why_not)
+        return self.figures
+
+    def __enter__(self) -> RoundSpeculation:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.finish()  # however the rollout ends: the live engine is shared, and later stages sample plainly
 
 
 def speculation_figures(

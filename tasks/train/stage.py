@@ -24,13 +24,14 @@ from models.sharded import OPTIMIZER_DIR, OPTIMIZER_FILE, plain_optimizer_state
 from storage import checkpoints
 from storage.paths import StorageRoot
 from storage.trajectories import read_manifest, read_table
+from tasks.config.base import NotInput
 from tasks.config.train import TrainConfig
 from tasks.round.context import RoundContext
 from tasks.round.report import report_progress
-from tasks.round.results import NotInput, Trained
-from tasks.serving.engines import offer_weights
+from tasks.round.results import Trained
+from tasks.serving.live import LiveEngines
 from tasks.train.policy_update import TrainBatch, minibatches, proximal_plan, sharded_minibatches, train_policy
-from tasks.train.worker_group import TrainJob, worker_group, write_files
+from tasks.train.worker_group import TrainerWorkers, TrainJob, write_files
 
 
 def save_optimizer(state: dict, directory: str) -> None:
@@ -76,6 +77,8 @@ def run_train(
     rollout_dtype: str,
     lineage_extra: dict | None = None,
     target_checkpoint: str | None = None,
+    engines: Annotated[LiveEngines, NotInput("the live engines a GPU trainer offers its new weights to")],
+    trainers: Annotated[TrainerWorkers, NotInput("the worker group of the flow that runs the round")],
     device: Annotated[str, NotInput("where it computes: a round resumed on another machine trains the same")] = "auto",
     ray_address: Annotated[str | None, NotInput("the cluster a worker group runs on")] = None,
     progress: Annotated[Callable[[str], None] | None, NotInput("a progress callback")] = None,
@@ -84,8 +87,9 @@ def run_train(
 
     ``temperature`` and ``rollout_dtype``: what the behaviour logprobs were recorded under (the loss
     recomputes logprobs at that temperature; the dtype decides whether the proximal pass is needed).
-    ``device``: the round's device setting; ``config.workers`` > 1 trains on a worker group
-    (tasks/train/worker_group.py) on ``ray_address``'s cluster."""
+    ``device``: the round's device setting; ``config.workers`` > 1 trains on ``trainers``' worker group
+    (tasks/train/worker_group.py) on ``ray_address``'s cluster. A GPU trainer offers the new weights to ``engines``
+    in memory, for publish to load without reading the checkpoint."""
     root = StorageRoot.of(ctx.storage)
     target = target_checkpoint or root.checkpoint(ctx.run_id, ctx.round)
     if checkpoints.is_committed(root, target):  # resumed after the commit: never train twice
@@ -115,17 +119,32 @@ def run_train(
             placed = resolve_device(device)
             precision = resolve_precision(config.precision, placed)
             stats, weights = train_here(
-                parent, reference, batches, config, temperature, ctx.parent_policy_version, recompute, tmp,
-                placed, precision, progress,
-            )  # fmt: skip
+                parent,
+                reference,
+                batches,
+                config=config,
+                temperature=temperature,
+                current_version=ctx.parent_policy_version,
+                recompute=recompute,
+                out=tmp,
+                device=placed,
+                precision=precision,
+                progress=progress,
+            )
         else:
             weights = None  # a group's weights reach the engine through the checkpoint
-            group = worker_group(config.workers, device, ray_address)
+            group = trainers.group(config.workers, device, ray_address)
             progress(f"train: {config.workers} workers ({'GPU' if group.on_gpu else 'CPU'}), {len(batches)} steps")
             shares = sharded_minibatches(
                 rows, config.groups_per_step, config.steps_per_round, shuffle_seed, config.workers
             )
-            job = TrainJob([], config, temperature, ctx.parent_policy_version, recompute)
+            job = TrainJob(
+                shares=[],
+                config=config,
+                temperature=temperature,
+                current_version=ctx.parent_policy_version,
+                recompute=recompute,
+            )
             files, stats, memory = group.train(parent, job, shares, reference)
             write_files(tmp, files)
             placed = torch.device("cuda" if group.on_gpu else "cpu")
@@ -151,7 +170,7 @@ def run_train(
         }
         checkpoints.commit_checkpoint(root, tmp, target, lineage)
     if weights is not None:
-        offer_weights(target, weights)
+        engines.offer_weights(target, weights)
     stats["train/workers"] = config.workers
     stats["train/started_at"] = started_at
     return Trained(checkpoint=target, stats=stats, committed_at=time.time())
@@ -161,6 +180,7 @@ def train_here(
     parent: str,
     reference: str | None,
     batches: list[TrainBatch],
+    *,
     config: TrainConfig,
     temperature: float,
     current_version: int,
@@ -168,7 +188,7 @@ def train_here(
     out: str,
     device: torch.device,
     precision: str,
-    progress,
+    progress: Callable[[str], None],
 ) -> tuple[dict, dict[str, torch.Tensor] | None]:
     """A round's training in this process, on ``device``; the new checkpoint is written into ``out``.
     Returns the stats, and on a GPU the new weights on it."""
@@ -186,13 +206,13 @@ def train_here(
         model,
         tokenizer.pad_token_id,
         batches,
-        config,
-        temperature,
-        None if adapted is not None else load_optimizer(parent, model),
-        current_version,
-        recompute,
-        ref_model,
-        progress,
+        config=config,
+        temperature=temperature,
+        optimizer=None if adapted is not None else load_optimizer(parent, model),
+        current_version=current_version,
+        recompute=recompute,
+        ref_model=ref_model,
+        progress=progress,
         device=device,
         precision=precision,
     )

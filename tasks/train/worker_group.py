@@ -1,8 +1,9 @@
 """Sharded data-parallel training: ``train.workers`` trainer processes as Ray actors, one FSDP2 process group.
 
-    group = worker_group(workers=2, device="auto", ray_address=None)   # started once, reused by later rounds
-    stats = group.train(job, out_dir)      # every worker trains its share; the checkpoint lands in out_dir
-    release_worker_groups()                # the campaign's end, failure or kill (``released_workers``)
+    with TrainerWorkers() as trainers:                       # a campaign's, passed to its train stages
+        group = trainers.group(2, device="auto", ray_address=None)   # started once, reused by later rounds
+        files, stats, memory = group.train(parent_dir, job, shares, reference_dir)   # every worker its share
+    # leaving the block (the campaign's end, failure or kill) stops the group
 
 The workers sit in a placement group (a GPU each on GPUs, a CPU each otherwise), join one
 ``torch.distributed`` process group (NCCL on CUDA, gloo on CPU) and shard the policy with FSDP2
@@ -26,7 +27,6 @@ import pickle
 import socket
 import tempfile
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -62,7 +62,7 @@ class TrainWorkerError(RuntimeError):
     pass
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TrainJob:
     """One round's training, as every worker receives it (its own ``shares``)."""
 
@@ -167,12 +167,12 @@ class TrainWorker:
                 model,
                 tokenizer.pad_token_id,
                 job.shares,
-                job.config,
-                job.temperature,
-                optimizer,
-                job.current_version,
-                job.recompute,
-                ref_model,
+                config=job.config,
+                temperature=job.temperature,
+                optimizer=optimizer,
+                current_version=job.current_version,
+                recompute=job.recompute,
+                ref_model=ref_model,
                 device=device,
                 precision=resolve_precision(job.config.precision, device),
                 collective=self.collective,
@@ -356,43 +356,43 @@ class WorkerGroup:
         self.actors = []
         with contextlib.suppress(Exception):
             ray.util.remove_placement_group(self.group)
-        with _lock:
-            if _groups.get(getattr(self, "key", None)) is self:
-                del _groups[self.key]
 
 
-_lock = threading.Lock()
-_groups: dict[tuple, WorkerGroup] = {}
+class TrainerWorkers:
+    """The trainer's worker group a campaign keeps across its rounds: opened by the flow that owns it, passed to the
+    train stage, closed (its actors and placement group stopped) when that flow ends, however it ends.
 
+    It holds at most one group: a group of another shape is stopped before a new one starts, since its workers hold
+    the devices the new one needs. ``__slots__``: a Prefect task records it as a placeholder, never walks into it."""
 
-def worker_group(workers: int, device: str, ray_address: str | None) -> WorkerGroup:
-    """The live group of this shape, or a new one (another shape's group is stopped first: its workers
-    hold the devices a new group needs)."""
-    key = (workers, device, ray_address)
-    with _lock:
-        live = _groups.get(key)
-        others = [g for k, g in _groups.items() if k != key]
-    if live is not None and live.actors:
-        return live
-    for group in others:
-        group.close()
-    group = WorkerGroup(workers, device, ray_address)
-    with _lock:
-        _groups[key] = group
-    return group
+    __slots__ = ("_lock", "_group")
 
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._group: WorkerGroup | None = None
 
-def release_worker_groups() -> None:
-    with _lock:
-        groups = list(_groups.values())
-    for group in groups:
-        group.close()
+    def __enter__(self) -> TrainerWorkers:
+        return self
 
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
-@contextlib.contextmanager
-def released_workers() -> Iterator[None]:
-    """Stop the worker groups started inside when the block ends, however it ends (a campaign's, a replay's)."""
-    try:
-        yield
-    finally:
-        release_worker_groups()
+    def group(self, workers: int, device: str, ray_address: str | None) -> WorkerGroup:
+        """The live group of this shape (one whose workers all still run), or a new one."""
+        with self._lock:
+            live = self._group
+            if live is not None and live.key == (workers, device, ray_address) and live.actors:
+                return live
+            self._group = None
+        if live is not None:
+            live.close()
+        group = WorkerGroup(workers, device, ray_address)
+        with self._lock:
+            self._group = group
+        return group
+
+    def close(self) -> None:
+        with self._lock:
+            group, self._group = self._group, None
+        if group is not None:
+            group.close()

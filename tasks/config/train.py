@@ -16,9 +16,7 @@ class LoraConfig(Config):
     """Rank of each adapter's two factors."""
     alpha: float = Field(32.0, gt=0.0)
     """Scale of the adapters' output: their product is multiplied by alpha / rank."""
-    target_modules: list[str] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    )
+    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     """Names of the linear layers that get an adapter (the attention and MLP projections of Llama-shaped models)."""
     dropout: float = 0.0
     """Dropout on the adapters' input. Must be 0: the policy trains in eval mode, where dropout never runs (see

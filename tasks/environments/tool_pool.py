@@ -41,8 +41,7 @@ from tasks.config.environment import ToolPoolConfig
 from tasks.config.verify import SandboxLimits
 from tasks.environments.tool_child import tool_server
 from tasks.environments.tools import Tool, tools_source
-from tasks.verifiers.sandbox import SANDBOX_UIDS, _source, _stop
-from tasks.verifiers.sandbox_child import bootstrap
+from tasks.verifiers.sandbox import SANDBOX_UIDS, bootstrap_command, stop_sandbox
 
 MAX_REPLY_CHARS = 4096
 """The most characters of a tool's answer returned to the policy: a long answer costs prefill of every later turn."""
@@ -87,22 +86,18 @@ class ToolSandbox:
             json.dump({"source": source, "max_reply_chars": MAX_REPLY_CHARS}, task)
         status_r, status_w = os.pipe()
         self._result, result_w = os.pipe()
-        config = {
-            "workdir": self.workdir,
-            "uid": self.uid,
-            "python": python,
-            "runner": _source(tool_server),
-            "status_fd": status_w,
-            "result_fd": result_w,
-            "cpu_s": limits.cpu_time_s,
-            "memory_bytes": limits.memory_mib << 20,
-            "nproc": limits.max_processes,
-            "nofile": limits.max_open_files,
-            "disk_mib": limits.disk_mib,
-        }
+        command = bootstrap_command(
+            workdir=self.workdir,
+            uid=self.uid,
+            python=python,
+            runner=tool_server,
+            status_fd=status_w,
+            result_fd=result_w,
+            limits=limits,
+        )
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-c", _source(bootstrap), json.dumps(config)],
+                command,
                 stdin=subprocess.PIPE,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
@@ -166,7 +161,7 @@ class ToolSandbox:
                 self.proc.stdin.close()
         except OSError:
             pass
-        _stop(self.proc, self.uid)
+        stop_sandbox(self.proc, self.uid)
         try:
             os.close(self._result)
         except OSError:

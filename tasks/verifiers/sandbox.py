@@ -153,25 +153,23 @@ def run_sandboxed(solution: str, tests: str, limits: SandboxLimits) -> SandboxRu
     workdir = tempfile.mkdtemp(prefix="rlrounds-sandbox-")
     try:
         with open(os.path.join(workdir, "task.json"), "w") as task:  # root-only until the bootstrap moves it
-            json.dump({"solution": solution, "tests": tests, "nonce": nonce, "server": _source(solution_server)}, task)
+            json.dump(
+                {"solution": solution, "tests": tests, "nonce": nonce, "server": function_source(solution_server)}, task
+            )
         status_r, status_w = os.pipe()
         result_r, result_w = os.pipe()
-        config = {
-            "workdir": workdir,
-            "uid": uid,
-            "python": python,
-            "runner": _source(runner),
-            "status_fd": status_w,
-            "result_fd": result_w,
-            "cpu_s": limits.cpu_time_s,
-            "memory_bytes": limits.memory_mib << 20,
-            "nproc": limits.max_processes,
-            "nofile": limits.max_open_files,
-            "disk_mib": limits.disk_mib,
-        }
+        command = bootstrap_command(
+            workdir=workdir,
+            uid=uid,
+            python=python,
+            runner=runner,
+            status_fd=status_w,
+            result_fd=result_w,
+            limits=limits,
+        )
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-c", _source(bootstrap), json.dumps(config)],
+                command,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -189,7 +187,7 @@ def run_sandboxed(solution: str, tests: str, limits: SandboxLimits) -> SandboxRu
         try:
             outputs, timed_out, overflow = _collect(proc, status_r, result_r, limits)
         finally:
-            _stop(proc, uid)
+            stop_sandbox(proc, uid)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     status, result = outputs[status_r], outputs[result_r]
@@ -244,7 +242,29 @@ def _collect(
     return {key: b"".join(parts) for key, parts in chunks.items()}, timed_out, overflow
 
 
-def _stop(proc: subprocess.Popen[bytes], uid: int) -> None:
+def bootstrap_command(
+    *, workdir: str, uid: int, python: str, runner: object, status_fd: int, result_fd: int, limits: SandboxLimits
+) -> list[str]:
+    """The command that starts a sandbox: the bootstrap (tasks/verifiers/sandbox_child.py) with its settings, which
+    runs ``runner`` (a self-contained function of sandbox_child.py or another such module) as the sandbox's init
+    under ``uid``, in ``workdir``, within ``limits``; it reports setup on ``status_fd``, results on ``result_fd``."""
+    config = {
+        "workdir": workdir,
+        "uid": uid,
+        "python": python,
+        "runner": function_source(runner),
+        "status_fd": status_fd,
+        "result_fd": result_fd,
+        "cpu_s": limits.cpu_time_s,
+        "memory_bytes": limits.memory_mib << 20,
+        "nproc": limits.max_processes,
+        "nofile": limits.max_open_files,
+        "disk_mib": limits.disk_mib,
+    }
+    return [sys.executable, "-I", "-S", "-c", function_source(bootstrap), json.dumps(config)]
+
+
+def stop_sandbox(proc: subprocess.Popen[bytes], uid: int) -> None:
     """End the run and prove it ended: no process of its uid may be left on the host."""
     if proc.poll() is None:
         proc.terminate()  # the bootstrap answers SIGTERM by killing the sandbox's init: all of it dies
@@ -283,6 +303,6 @@ def processes_of(uid: int) -> list[int]:
 
 
 @cache
-def _source(function: object) -> str:
+def function_source(function: object) -> str:
     """A self-contained function's source plus a call, for ``python -c`` in a fresh interpreter."""
     return inspect.getsource(function) + f"\n{function.__name__}()\n"  # type: ignore[attr-defined]

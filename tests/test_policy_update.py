@@ -1,0 +1,334 @@
+"""The policy update on hand-made minibatches: the engine/trainer mismatch at the sampling weights, epochs over a
+round's minibatches, the drift limit, freshness (version lag and divergence), when the proximal pass runs, and the
+minibatch order. Each test drives ``train_policy`` directly on a tiny policy, on CPU."""
+
+import pytest
+
+# -- the mismatch figure is taken at the sampling weights, the drift apart -----------------------------
+
+
+@pytest.mark.parametrize("recompute", [True, False])
+def test_mismatch_is_measured_at_the_sampling_weights(tiny_policy_dir, recompute):
+    """Engine vs trainer is compared where the trainer holds the weights that sampled: every minibatch's
+    proximal pass, or else the first minibatch before any update. The later minibatches' distance from
+    the sampling logprobs is the round's drift, reported in its own figures."""
+    import torch
+
+    from models.checkpoint import load_policy
+    from models.logprobs import pack_sequences, token_logprobs
+    from tasks.config.train import TrainConfig
+    from tasks.train.policy_update import TrainBatch, train_policy
+
+    model, tokenizer = load_policy(tiny_policy_dir)
+    torch.manual_seed(0)
+    prompts = [[tokenizer.bos_token_id, 3, 4, 13] for _ in range(4)]
+    completions = [torch.randint(3, 12, (3,)).tolist() for _ in range(4)]
+
+    def exact(rows):  # the trainer's own logprobs at these weights, per completion token
+        packed = pack_sequences([prompts[i] for i in rows], [completions[i] for i in rows], tokenizer.pad_token_id)
+        with torch.no_grad():
+            logp = token_logprobs(model, packed, 1.0)
+        return [logp[j, 3:6].tolist() for j in range(len(rows))]
+
+    first, second = exact([0, 1]), exact([2, 3])
+    shifted = [[v - 0.5 for v in row] for row in second]  # the engine disagrees by 0.5 nats on minibatch 2 only
+    batches = [
+        TrainBatch(
+            prompt_ids=[prompts[0], prompts[1]],
+            completion_ids=completions[:2],
+            behaviour=first,
+            advantages=[1.0, -1.0],
+            policy_versions=[[0] * 3] * 2,
+            top_p=[1.0, 1.0],
+            max_tokens=3,
+        ),
+        TrainBatch(
+            prompt_ids=[prompts[2], prompts[3]],
+            completion_ids=completions[2:],
+            behaviour=shifted,
+            advantages=[1.0, -1.0],
+            policy_versions=[[0] * 3] * 2,
+            top_p=[1.0, 1.0],
+            max_tokens=3,
+        ),
+    ]
+    # without the proximal pass a 0.5-nat disagreement reads as drift: no drift limit here
+    config = TrainConfig(max_kl=None)
+    _, stats = train_policy(
+        model,
+        tokenizer.pad_token_id,
+        batches,
+        config=config,
+        temperature=1.0,
+        optimizer=None,
+        current_version=0,
+        recompute=recompute,
+    )
+    if recompute:  # every minibatch at the sampling weights: 6 of 12 tokens off by 0.5
+        assert stats["train/mismatch_mean_abs"] == pytest.approx(0.25, abs=1e-5)
+        assert stats["train/mismatch_max_abs"] == pytest.approx(0.5, abs=1e-5)
+        assert stats["train/mismatch_tokens"] == 12
+        # the drift is the trainer's own: one small update past the proximal logprobs, not the engine's 0.5
+        assert 0.0 < stats["train/drift_max_abs"] < 2e-2
+    else:  # only the first minibatch is at the sampling weights, where engine and trainer agree
+        assert stats["train/mismatch_max_abs"] < 1e-5
+        assert stats["train/mismatch_tokens"] == 6
+        # minibatch 2, one update on, against behaviour logprobs 0.5 off: the drift figure holds it
+        assert stats["train/drift_max_abs"] == pytest.approx(0.5, abs=2e-2)
+        assert stats["train/drift_mean_abs"] == pytest.approx(0.25, abs=2e-2)
+
+
+@pytest.mark.parametrize("recompute", [True, False])
+def test_epochs_repeat_the_rounds_minibatches_in_order(tiny_policy_dir, recompute):
+    """Two passes over [a, b] are the updates of one pass over [a, b, a, b], with the proximal logprobs
+    of the sampling weights; the mismatch figure is the first pass's, the staleness counts every step."""
+    import copy
+
+    import torch
+
+    from models.checkpoint import load_policy
+    from tasks.config.train import TrainConfig
+    from tasks.train.policy_update import TrainBatch, train_policy
+
+    model, tokenizer = load_policy(tiny_policy_dir)
+    prompt = [tokenizer.bos_token_id, 3, 4, 13]
+    a = TrainBatch(
+        prompt_ids=[prompt] * 2,
+        completion_ids=[[5, 6, 7], [8, 9, 2]],
+        behaviour=[[-2.0] * 3] * 2,
+        advantages=[1.0, -1.0],
+        policy_versions=[[0] * 3] * 2,
+        top_p=[1.0] * 2,
+        max_tokens=3,
+    )
+    b = TrainBatch(
+        prompt_ids=[prompt] * 2,
+        completion_ids=[[9, 5, 2], [6, 6, 6]],
+        behaviour=[[-2.5] * 3] * 2,
+        advantages=[-1.0, 1.0],
+        policy_versions=[[0] * 3] * 2,
+        top_p=[1.0] * 2,
+        max_tokens=3,
+    )
+    twice, once = copy.deepcopy(model), copy.deepcopy(model)
+    # made-up behaviour logprobs are far from the model's: no drift limit, or the first update would be the last
+    two, one = TrainConfig(epochs=2, max_kl=None), TrainConfig(epochs=1, max_kl=None)
+    _, stats = train_policy(
+        twice,
+        tokenizer.pad_token_id,
+        [a, b],
+        config=two,
+        temperature=1.0,
+        optimizer=None,
+        current_version=0,
+        recompute=recompute,
+    )
+    _, flat = train_policy(
+        once,
+        tokenizer.pad_token_id,
+        [a, b, a, b],
+        config=one,
+        temperature=1.0,
+        optimizer=None,
+        current_version=0,
+        recompute=recompute,
+    )
+    for p, q in zip(twice.parameters(), once.parameters()):
+        assert torch.equal(p, q)
+    assert not all(torch.equal(p, q) for p, q in zip(twice.parameters(), model.parameters()))
+    assert stats["train/steps"] == 4 and stats["train/samples"] == 4  # two passes over the same 4 rows
+    assert stats["train/staleness_max_steps"] == 3
+    # at the sampling weights: every first-pass minibatch with the proximal pass, else the first one
+    assert (stats["train/mismatch_tokens"], flat["train/mismatch_tokens"]) == ((12, 24) if recompute else (6, 6))
+
+
+def test_updates_stop_once_the_policy_drifts_past_max_kl(tiny_policy_dir):
+    """The round stops before the first minibatch whose tokens the policy has moved past ``max_kl`` from:
+    its weights are those of training on the minibatches before it, and the stop is reported."""
+    import copy
+
+    import torch
+
+    from models.checkpoint import load_policy
+    from models.logprobs import completion_logprobs, pack_shared
+    from tasks.config.train import TrainConfig
+    from tasks.train.policy_update import TrainBatch, train_policy
+
+    model, tokenizer = load_policy(tiny_policy_dir)
+    torch.manual_seed(0)
+    batches = []
+    for _ in range(4):
+        prompts = [[tokenizer.bos_token_id, 3, int(torch.randint(4, 12, ())), 13]] * 4
+        completions = [torch.randint(3, 12, (3,)).tolist() for _ in prompts]
+        with torch.no_grad():  # behaviour logprobs: the sampling policy's own, as the fp32 engine records
+            behaviour = completion_logprobs(model, pack_shared(prompts, completions, tokenizer.pad_token_id))
+        batches.append(
+            TrainBatch(
+                prompt_ids=prompts,
+                completion_ids=completions,
+                behaviour=behaviour.tolist(),
+                advantages=[1.0, -1.0, 1.0, -1.0],
+                policy_versions=[[0] * 3] * 4,
+                top_p=[1.0] * 4,
+                max_tokens=3,
+            )
+        )
+    fast = dict(learning_rate=5e-3, epochs=2)
+    free, limited = copy.deepcopy(model), copy.deepcopy(model)
+    _, all_steps = train_policy(
+        free,
+        tokenizer.pad_token_id,
+        batches,
+        config=TrainConfig(**fast, max_kl=None),
+        temperature=1.0,
+        optimizer=None,
+        current_version=0,
+        recompute=False,
+    )
+    _, stopped = train_policy(
+        limited,
+        tokenizer.pad_token_id,
+        batches,
+        config=TrainConfig(**fast, max_kl=1e-3),
+        temperature=1.0,
+        optimizer=None,
+        current_version=0,
+        recompute=False,
+    )
+    assert all_steps["train/steps"] == 8 and all_steps["train/stopped_at_kl"] == 0.0
+    steps = int(stopped["train/steps"])
+    assert 1 <= steps < 8 and stopped["train/stopped_at_kl"] == 1.0 and stopped["train/drift_kl"] > 1e-3
+    assert stopped["train/samples"] == 4 * min(steps, 4)
+    replay = copy.deepcopy(model)  # the same updates, made by asking for exactly those minibatches
+    schedule = [batches[i % 4] for i in range(steps)]
+    train_policy(
+        replay,
+        tokenizer.pad_token_id,
+        schedule,
+        config=TrainConfig(**dict(fast, epochs=1), max_kl=None),
+        temperature=1.0,
+        optimizer=None,
+        current_version=0,
+        recompute=False,
+    )
+    for p, q in zip(replay.parameters(), limited.parameters()):
+        assert torch.equal(p, q)
+
+
+# -- freshness: lag in policy versions and divergence from the behaviour policy ------------------------
+
+
+def test_freshness_figures_by_hand():
+    import math
+
+    import torch
+
+    from tasks.train.policy_update import freshness_stats
+
+    # four tokens: lags 0, 0, 1, 3; log weights 0, 0, log 1.5, log 4 (tis_cap 2: only the last is over it)
+    tokens = torch.tensor([[0, 0.0], [0, 0.0], [1, math.log(1.5)], [3, math.log(4)]])
+    s = freshness_stats(tokens, tis_cap=2.0)
+    assert s["train/lag_versions_mean"] == 1.0 and s["train/lag_versions_max"] == 3.0
+    assert s["train/lag_versions_p50"] == 0.5  # linear interpolation between the middle two
+    assert s["train/behaviour_weight_mean"] == pytest.approx((1 + 1 + 1.5 + 4) / 4)
+    # k3 = w - 1 - log w: 0, 0, 0.5 - log 1.5, 3 - log 4
+    assert s["train/behaviour_kl_k3"] == pytest.approx((0.5 - math.log(1.5) + 3 - math.log(4)) / 4)
+    assert s["train/behaviour_weight_over_cap"] == 0.25
+    assert freshness_stats(torch.zeros((0, 2)), 2.0) == {}
+
+
+def test_tokens_of_older_versions_are_measured_as_lag(tiny_policy_dir):
+    import torch
+
+    from models.checkpoint import load_policy
+    from tasks.config.train import TrainConfig
+    from tasks.train.policy_update import TrainBatch, train_policy
+
+    model, tokenizer = load_policy(tiny_policy_dir)
+    prompts = [[tokenizer.bos_token_id, 3, 4, 13]] * 2
+    completions = [[5, 6, 7], [8, 9, 10]]
+    behaviour = [[-2.0] * 3, [-2.0] * 3]
+    # trained policy version 2: the first sample's first token came from version 0, the rest from 2
+    versions = [[0, 2, 2], [2, 2, 2]]
+    batch = TrainBatch(
+        prompt_ids=prompts,
+        completion_ids=completions,
+        behaviour=behaviour,
+        advantages=[1.0, -1.0],
+        policy_versions=versions,
+        top_p=[1.0, 1.0],
+        max_tokens=3,
+    )
+    torch.manual_seed(0)
+    _, stats = train_policy(
+        model,
+        tokenizer.pad_token_id,
+        [batch],
+        config=TrainConfig(),
+        temperature=1.0,
+        optimizer=None,
+        current_version=2,
+        recompute=True,
+    )
+    assert stats["train/lag_versions_max"] == 2.0 and stats["train/lag_versions_mean"] == pytest.approx(2 / 6)
+    assert stats["train/samples_spanning_versions_share"] == 0.5
+    assert stats["train/behaviour_kl_k3"] > 0 and stats["train/behaviour_weight_p99"] > 0
+
+
+def test_the_proximal_pass_runs_only_for_the_minibatches_that_need_it():
+    from tasks.train.policy_update import TrainBatch, proximal_plan
+
+    def batch(versions, top_p=1.0):
+        return TrainBatch(
+            prompt_ids=[[1]],
+            completion_ids=[[2] * len(versions)],
+            behaviour=[[0.0] * len(versions)],
+            advantages=[1.0],
+            policy_versions=[versions],
+            top_p=[top_p],
+            max_tokens=4,
+        )
+
+    embedded = [{"name": "embedded", "dtype": "float32"}]
+    carried, fresh, nucleus = batch([1, 2]), batch([2, 2]), batch([2, 2], top_p=0.9)
+    assert proximal_plan("auto", "float32", embedded, [carried, fresh, nucleus], 2) == [True, False, True]
+    # the round's engine or precision decide for every minibatch; an explicit setting overrides all
+    assert proximal_plan("auto", "bfloat16", embedded, [fresh, fresh], 2) == [True, True]
+    assert proximal_plan("auto", "float32", [{"name": "vllm", "dtype": "float32"}], [fresh], 2) == [True]
+    assert proximal_plan("never", "float32", embedded, [carried], 2) == [False]
+    assert proximal_plan("always", "float32", embedded, [fresh], 2) == [True]
+
+
+def test_shuffled_minibatches_depend_on_the_rows_and_the_seed_not_their_stored_order():
+    """Whole groups, every kept row once; the same minibatches whatever order the groups were stored in,
+    others for another seed; stored order keeps the groups as they finished."""
+    import random
+
+    from tasks.train.policy_update import minibatches
+
+    rows = [
+        {
+            "group_id": f"g{g}",
+            "prompt_token_ids": [1, g],
+            "completion_token_ids": [2, s],
+            "rollout_logprobs": [0.0, 0.0],
+            "advantage": float(s),
+            "token_policy_versions": [0, 0],
+            "sampling": {"top_p": 1.0, "max_tokens": 4},
+        }
+        for g in range(12)
+        for s in range(2)
+    ]
+
+    def groups(batches):
+        return [[p[1] for p in b.prompt_ids] for b in batches]
+
+    stored = groups(minibatches(rows, 3, 4))
+    assert stored == [[0, 0, 1, 1, 2, 2], [3, 3, 4, 4, 5, 5], [6, 6, 7, 7, 8, 8], [9, 9, 10, 10, 11, 11]]
+    shuffled = groups(minibatches(rows, 3, 4, shuffle_seed=0))
+    assert shuffled != stored and sorted(g for b in shuffled for g in b) == sorted(g for b in stored for g in b)
+    by_group = [rows[i : i + 2] for i in range(0, len(rows), 2)]
+    random.Random(1).shuffle(by_group)
+    assert groups(minibatches([r for g in by_group for r in g], 3, 4, shuffle_seed=0)) == shuffled
+    assert groups(minibatches(rows, 3, 4, shuffle_seed=1)) != shuffled
+    assert groups(minibatches(rows, 3, 2, shuffle_seed=0)) == shuffled[:2]  # fewer steps: a prefix

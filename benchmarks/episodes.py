@@ -117,7 +117,13 @@ def collect(args, model, tok, prompts, *, schedule: str, warm: bool, keep_kv: bo
     tools = LookupEnvironment(None, turns=1, median_s=0, sigma=0).tools
     pool_config = ToolPoolConfig(sandboxes=args.sandboxes, warm=warm)
     with ToolPool(tools, pool_config) as pool:
-        engine = EmbeddedEngine(model, [tok.eos_token_id, tok.pad_token_id], tok.pad_token_id, max_batch=args.episodes)
+        engine = EmbeddedEngine(
+            model,
+            [tok.eos_token_id, tok.pad_token_id],
+            tok.pad_token_id,
+            max_batch=args.episodes,
+            decode=partial(tok.decode, skip_special_tokens=False),
+        )
         session = EmbeddedEpisodes(engine, max_live=args.episodes, keep_kv=keep_kv)
         runner = EpisodeRunner(
             session,

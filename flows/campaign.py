@@ -149,6 +149,7 @@ def campaign_rounds(
         evaluate=rc.evaluate,
         prompts=rc.prompts,
         verify=rc.verify_resolved,
+        **rc.agent,
         engines=resources.engines,
         device=rc.device,
     )

@@ -37,6 +37,13 @@ def add_commands(sub) -> None:
     ) as c:
         version_arg(c)
         c.add_argument("--json", action="store_true", help="print the summary as JSON")
+        c.add_argument(
+            "--episodes",
+            type=int,
+            default=1,
+            metavar="N",
+            help="an agentic round's version: print its first N episodes turn by turn (default 1; 0: none)",
+        )
     with storage_command(tsub, "export", cmd_export, "write a version's rows to one JSONL or Parquet file") as c:
         version_arg(c)
         c.add_argument("path", help="output file (a local path or an fsspec URI)")
@@ -189,7 +196,8 @@ def cmd_show(args: argparse.Namespace) -> int:
 
     root = _root(args)
     manifest = find_version(root, args.version)
-    summary = summarize(read_table(root, manifest))
+    table = read_table(root, manifest)
+    summary = summarize(table)
     chain = derivation_of(root, manifest.version)
     if args.json:
         print(
@@ -234,8 +242,22 @@ def cmd_show(args: argparse.Namespace) -> int:
         f"  derivation       {json.dumps(manifest.derivation, sort_keys=True)}",
         f"  parent chain     {describe_derivation(chain)}",
     ]
-    print("\n".join(lines))
+    episodes = _episodes(table, args.episodes)
+    print("\n".join(lines + episodes))
     return 0
+
+
+def _episodes(table, count: int) -> list[str]:
+    """The first ``count`` episodes of a version whose rows are multi-turn episodes, turn by turn (none otherwise)."""
+    from tasks.rollout.episodes import describe_episode_row
+
+    with_turns = table.filter(table.column("turns").is_valid())
+    if count <= 0 or with_turns.num_rows == 0:
+        return []
+    turns = [len(t) for t in with_turns.column("turns").to_pylist()]
+    lines = [f"  episodes         {with_turns.num_rows} rows are episodes; turns mean {sum(turns) / len(turns):.2f}, "
+             f"max {max(turns)}"]  # fmt: skip
+    return lines + [describe_episode_row(row) for row in with_turns.slice(0, count).to_pylist()]
 
 
 def cmd_export(args: argparse.Namespace) -> int:

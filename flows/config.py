@@ -19,7 +19,8 @@ from pydantic import BaseModel, Field, TypeAdapter, ValidationError, field_valid
 from flows.presets import PresetError, load_preset, overlay
 from models.builtin import BUILTIN_SOURCES, BUILTINS
 from storage.model_versions import LineageError, parse_model_version
-from tasks.config.base import Config, NotInput, field_help
+from tasks.config.base import AddedInput, Config, NotInput, field_help
+from tasks.config.environment import EpisodeConfig
 from tasks.config.evaluate import EvaluateConfig
 from tasks.config.filter import FilterConfig
 from tasks.config.prompts import PromptsConfig
@@ -84,6 +85,14 @@ class RoundConfig(Config):
     """'sync': a round's rollout starts once the previous round has trained, published and evaluated. 'overlap':
     round k+1's rollout runs while round k trains and takes round k's weights between two decode steps
     (rollout.update_kv); each token records its policy version."""
+    environment: Annotated[str | None, AddedInput(since="2026-12-04", keyed_at_default=False)] = Field(
+        None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
+    )
+    """Agentic rounds: the environment each sample is an episode in, as 'package.module:Name' (a class or function
+    called with the round's tool pool, docs/environments.md), e.g. 'tasks.environments.tooladd:ToolAddEnvironment'.
+    The environment scores each episode (verify.verifier is not used). None: a sample is one completion."""
+    episode: Annotated[EpisodeConfig, AddedInput(since="2026-12-04", keyed_at_default=False)] = EpisodeConfig()
+    """Agentic rounds (environment set): each episode's budgets and the warm pool of tool sandboxes."""
     overlap_update_after: float = Field(0.5, gt=0.0, le=4.0)
     """mode overlap: the next round's rollout takes the new weights after this many times target_groups x
     samples_per_prompt finished samples, waiting for training if it is late. A count, not a time, so rows stay
@@ -98,6 +107,12 @@ class RoundConfig(Config):
     def verifier(self) -> str:
         """The verifier's name: verify.verifier, else the prompts' task."""
         return self.verify.verifier or self.prompts.task
+
+    @property
+    def agent(self) -> dict:
+        """``environment`` and ``episode`` as the stages that run episodes take them (``episode`` None in a
+        single-turn round, so their keys are the ones recorded before episodes existed)."""
+        return {"environment": self.environment, "episode": self.episode if self.environment is not None else None}
 
     @property
     def verify_resolved(self) -> VerifyConfig:
@@ -116,7 +131,7 @@ class RoundConfig(Config):
 
     @model_validator(mode="after")
     def _verifier_known(self) -> RoundConfig:
-        if self.verifier not in KNOWN_VERIFIERS:
+        if self.environment is None and self.verifier not in KNOWN_VERIFIERS:
             raise ValueError(
                 f"no verifier named {self.verifier!r}; "
                 f"set verify.verifier to one of: {', '.join(sorted(KNOWN_VERIFIERS))}"
@@ -134,6 +149,23 @@ class RoundConfig(Config):
                 "mode 'overlap' updates the weights of one in-process engine mid-generation; set rollout.replicas "
                 "to 1 and leave rollout.ray_address unset, or use mode 'sync'"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _episodes_supported(self) -> RoundConfig:
+        if self.environment is None:
+            return self
+        unsupported = [
+            (self.mode != "sync", "mode 'sync'"),
+            (self.rollout.collection != "ready_pool", "rollout.collection 'ready_pool'"),
+            (self.rollout.replicas > 1 or bool(self.rollout.ray_address), "rollout.replicas 1 and no ray_address"),
+            (self.rollout.speculative.enabled, "rollout.speculative.enabled false"),
+            (self.rollout.engine != "embedded", "rollout.engine 'embedded'"),
+            (self.evaluate.serving_engine != "embedded", "evaluate.serving_engine 'embedded'"),
+        ]
+        needs = [need for bad, need in unsupported if bad]
+        if needs:
+            raise ValueError(f"episodes (round.environment) run with {', '.join(needs)}; set them or unset environment")
         return self
 
     @property

@@ -56,4 +56,5 @@ def rl_evaluate(
             train_dtype=TRAIN_DTYPE,
             engines=engines,
             device=rc.device,
+            **rc.agent,
         )

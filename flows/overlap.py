@@ -53,6 +53,7 @@ class SyncMode:
             "filtering": config.filter,
             "target_groups": config.target_groups,
             "carry_from": carry_source(ctx.storage, ctx.run_id, ctx.round),
+            **config.agent,
             "engines": self.engines,
             "device": config.device,
         }

@@ -68,6 +68,7 @@ def rl_replay(request: ReplayRequest, storage: str | None = None) -> dict:
             prompts=rc.prompts,
             verify=rc.verify_resolved,
             device=rc.device,
+            **rc.agent,
         )
     return {
         "replay_id": plan.replay_id,

@@ -163,6 +163,7 @@ def rl_round(
                 config=config.evaluate,
                 prompts=config.prompts,
                 verify=config.verify_resolved,
+                **config.agent,
                 checkpoint=trained.checkpoint,
                 model_version=published.model_version,
                 engines=engines,

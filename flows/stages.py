@@ -27,7 +27,7 @@ from pydantic import BaseModel
 from flows.progress import stage_logger
 from storage.campaigns import read_stage, write_stage
 from storage.paths import StorageRoot
-from tasks.config.base import Config, NotInput
+from tasks.config.base import AddedInput, Config, NotInput
 from tasks.round.context import RoundContext
 from tasks.round.faults import crash_point
 from tasks.round.results import StageResult
@@ -75,8 +75,22 @@ def inputs_key(stage: str, fn: Callable[..., Any], kwargs: dict[str, Any]) -> st
     inputs, _ = declared_inputs(fn)
     bound = inspect.signature(fn).bind(**kwargs)  # an unknown or missing argument fails here, before anything runs
     bound.apply_defaults()
-    body = [stage, {name: _canonical(bound.arguments[name]) for name in inputs}]
+    body = [
+        stage,
+        {name: _canonical(bound.arguments[name]) for name in inputs if not _added_at_default(fn, name, bound)},
+    ]
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:20]
+
+
+def _added_at_default(fn: Callable[..., Any], name: str, bound: inspect.BoundArguments) -> bool:
+    """Whether parameter ``name`` is an ``AddedInput`` (not keyed at its default) holding its default: left out of
+    the key, so the stages a round recorded before the parameter existed still match."""
+    hint = typing.get_type_hints(fn, include_extras=True).get(name)
+    added = next((m for m in getattr(hint, "__metadata__", ()) if isinstance(m, AddedInput)), None)
+    if added is None or added.keyed_at_default:
+        return False
+    default = inspect.signature(fn).parameters[name].default
+    return _canonical(bound.arguments[name]) == _canonical(default)
 
 
 class Stages:

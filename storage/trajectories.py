@@ -37,7 +37,8 @@ import pyarrow.parquet as pq
 from storage.files import write_atomic
 from storage.paths import CARRYOVER, MANIFEST, StorageRoot, child, manifest_of, part_name
 
-SCHEMA_VERSION = "1.2"  # 1.1: prompt_weight; 1.2: carry_state in every file of a version, so they share one schema
+SCHEMA_VERSION = "1.3"  # 1.1: prompt_weight; 1.2: carry_state in every file of a version, so they share one schema;
+# 1.3: turns (multi-turn episodes)
 ROWS_PER_PART = 50_000
 
 
@@ -97,9 +98,41 @@ class TrajectoryRow:
     verify_latency_s: float | None
     # carry-over: partial | unverified | verified on a round's unfinished samples, null on its rows
     carry_state: str | None = None
+    # a multi-turn episode's turns (``EpisodeTurn`` as dicts), in order; null on a single-turn sample, whose every
+    # completion token is the policy's
+    turns: list[dict] | None = None
 
 
 COLUMNS = tuple(f.name for f in fields(TrajectoryRow))
+
+NOT_SAMPLED = -1
+"""``token_policy_versions`` at a token no policy sampled: an environment's observation inside an episode."""
+
+
+def policy_mask(row: Mapping[str, Any] | TrajectoryRow) -> list[bool] | None:
+    """Per completion token, whether the policy sampled it (in the loss) or the environment wrote it (masked out):
+    from the row's ``turns``; None for a single-turn row, whose every completion token is the policy's."""
+    turns = row.get("turns") if isinstance(row, Mapping) else row.turns
+    if not turns:
+        return None
+    ids = row["completion_token_ids"] if isinstance(row, Mapping) else row.completion_token_ids
+    mask = [False] * len(ids)
+    for turn in turns:
+        mask[turn["start"] : turn["policy_end"]] = [True] * (turn["policy_end"] - turn["start"])
+    return mask
+
+
+def sampled_versions(versions: Iterable[int] | None) -> list[int]:
+    """The policy versions of the tokens a policy sampled (an episode's observation tokens left out)."""
+    return [v for v in versions or () if v != NOT_SAMPLED]
+
+
+def policy_token_count(row: Mapping[str, Any]) -> int:
+    """Completion tokens the policy sampled: all of a single-turn row's, an episode's turns' (not observations)."""
+    turns = row.get("turns")
+    if not turns:
+        return len(row["completion_token_ids"])
+    return sum(t["policy_end"] - t["start"] for t in turns)
 
 
 def arrow_schema():
@@ -142,6 +175,20 @@ def arrow_schema():
         "gen_latency_s": pa.float64(),
         "verify_latency_s": pa.float64(),
         "carry_state": pa.string(),
+        "turns": pa.list_(
+            pa.struct(
+                [
+                    ("start", pa.int32()),
+                    ("policy_end", pa.int32()),
+                    ("end", pa.int32()),
+                    ("finish_reason", pa.string()),
+                    ("prefill_tokens", pa.int32()),
+                    ("step_s", pa.float64()),
+                    ("action_text", pa.string()),
+                    ("observation_text", pa.string()),
+                ]
+            )
+        ),
     }
     if set(types) != set(COLUMNS):  # a field added to one and not the other would silently drop a column
         raise TypeError(f"arrow_schema and TrajectoryRow disagree on {sorted(set(types) ^ set(COLUMNS))}")

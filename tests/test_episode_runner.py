@@ -86,7 +86,9 @@ def pool():
 
 def _run(chat, pool, script, *, budget=None, schedule="overlap", keep_kv=True, n=2):
     model, tok, stops = chat
-    engine = EmbeddedEngine(model, stops, tok.pad_token_id, max_batch=8)
+    engine = EmbeddedEngine(
+        model, stops, tok.pad_token_id, max_batch=8, decode=partial(tok.decode, skip_special_tokens=False)
+    )
     session = EmbeddedEpisodes(engine, max_live=4, keep_kv=keep_kv)
     runner = EpisodeRunner(
         session,
@@ -219,7 +221,9 @@ def test_a_users_environment_module_named_in_config_runs_on_a_chat_model(chat, t
     monkeypatch.syspath_prepend(str(tmp_path))
     factory = load_environment("my_pkg.my_env:MyEnv")
     model, tok, stops = chat
-    engine = EmbeddedEngine(model, stops, tok.pad_token_id, max_batch=8)
+    engine = EmbeddedEngine(
+        model, stops, tok.pad_token_id, max_batch=8, decode=partial(tok.decode, skip_special_tokens=False)
+    )
     with ToolPool(factory(None).tools, ToolPoolConfig(sandboxes=2)) as pool:
         runner = EpisodeRunner(
             EmbeddedEpisodes(engine, max_live=4),
@@ -259,7 +263,9 @@ def test_an_environment_that_ignores_its_timeout_is_abandoned_as_an_infra_failur
 
     monkeypatch.setattr(runner_module, "STEP_GRACE_S", 0.2)
     model, tok, stops = chat
-    engine = EmbeddedEngine(model, stops, tok.pad_token_id, max_batch=8)
+    engine = EmbeddedEngine(
+        model, stops, tok.pad_token_id, max_batch=8, decode=partial(tok.decode, skip_special_tokens=False)
+    )
     runner = EpisodeRunner(
         EmbeddedEpisodes(engine, max_live=4),
         tok,

@@ -18,7 +18,8 @@ from storage.files import lease
 from storage.paths import StorageRoot
 from storage.settings import settings
 from storage.tracking import Tracker
-from tasks.config.base import NotInput
+from tasks.config.base import AddedInput, NotInput
+from tasks.config.environment import EpisodeConfig
 from tasks.config.evaluate import EvaluateConfig
 from tasks.config.prompts import PromptsConfig
 from tasks.config.publish import PublishConfig
@@ -76,6 +77,8 @@ def run_register_base(
     evaluate: EvaluateConfig,
     prompts: PromptsConfig,
     verify: VerifyConfig,
+    environment: Annotated[str | None, AddedInput(since="2026-12-04", keyed_at_default=False)] = None,
+    episode: Annotated[EpisodeConfig | None, AddedInput(since="2026-12-04", keyed_at_default=False)] = None,
     engines: Annotated[LiveEngines, NotInput("the live engines of the campaign")],
     device: Annotated[
         str, NotInput("where it computes: a campaign resumed on another machine is not scored again")
@@ -95,6 +98,8 @@ def run_register_base(
         config=evaluate.model_copy(update={"approval": "none"}),  # the starting point: nothing to decide
         prompts=prompts,
         verify=verify,
+        environment=environment,
+        episode=episode,
         checkpoint=ctx.parent_checkpoint,
         model_version=model_version,
         engines=engines,

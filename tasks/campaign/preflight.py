@@ -27,6 +27,7 @@ from storage import checkpoints
 from storage.paths import StorageRoot
 from storage.settings import settings
 from storage.tracking import Tracker
+from tasks.environments.types import load_environment
 from tasks.prompts.sources import PromptError, evaluation_prompts, load_prompt_file
 from tasks.round.results import Checked
 
@@ -73,6 +74,8 @@ def run_preflight(*, config: Any, storage: str) -> Checked:
 
     ``config`` is a ``flows.config.RoundConfig`` (composed there from the stages' configs)."""
     resolve_device(config.device)
+    if config.environment is not None:
+        load_environment(config.environment)  # an environment that cannot load fails here, before the base is built
     if config.prompts.source in BUILTIN_SOURCES:  # a built-in stream is endless: check its longest prompt
         training = [BUILTIN_SOURCES[config.prompts.source].data.longest_prompt()]
     else:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from typing import Annotated
 
 from storage import checkpoints
 from storage.model_versions import LineageError, parse_model_version
@@ -27,6 +28,8 @@ from storage.paths import StorageRoot
 from storage.settings import settings
 from storage.tracking import KIND_TAG, RUN_ID_TAG, Tracker, checkpoint_uri
 from storage.trajectories import find_version, parent_chain, read_table
+from tasks.config.base import AddedInput
+from tasks.config.environment import EpisodeConfig
 from tasks.config.evaluate import EvaluateConfig
 from tasks.config.prompts import PromptsConfig
 from tasks.config.train import TrainConfig
@@ -199,6 +202,8 @@ def run_publish_replay(
     prompts: PromptsConfig,
     verify: VerifyConfig,
     device: str = "auto",
+    environment: Annotated[str | None, AddedInput(since="2026-12-04", keyed_at_default=False)] = None,
+    episode: Annotated[EpisodeConfig | None, AddedInput(since="2026-12-04", keyed_at_default=False)] = None,
 ) -> Published:
     """Register the replayed checkpoint with its lineage; evaluate it on ``device`` (tags only, no champion move)."""
     ctx = plan.context
@@ -213,7 +218,9 @@ def run_publish_replay(
     if evaluate is not None:
         held_out = evaluation_prompts(prompts, evaluate.source)
         local = checkpoints.local_copy(root, checkpoint)
-        scores = evaluate_checkpoint(local, held_out, verify, evaluate, device=device)
+        scores = evaluate_checkpoint(
+            local, held_out, verify, evaluate, device=device, environment=environment, episode=episode
+        )
         tracker.tag_model_version(plan.model_name, version, evaluation_tags(scores))
     describe_version(tracker, root, f"{plan.model_name}/{version}")
     evaluation = scores.metrics() if scores is not None else {}

@@ -70,7 +70,7 @@ class Config(BaseModel):
         dropped |= {
             name
             for name, f in fields.items()
-            if (added := marker(f, AddedInput)) and not added.keyed_at_default and self.at_default(name)
+            if (added := marker(f, AddedInput)) and not added.keyed_at_default and self._input_at_default(name)
         }
         dump = self.model_dump(mode="json", exclude=dropped)
         for name in dump:
@@ -85,6 +85,15 @@ class Config(BaseModel):
         """Whether field ``name`` holds its default value (compared as JSON)."""
         default = type(self).model_fields[name].get_default(call_default_factory=True)
         return to_jsonable_python(getattr(self, name)) == to_jsonable_python(default)
+
+    def _input_at_default(self, name: str) -> bool:
+        """Whether field ``name`` computes what its default computes: its value, or for a section its inputs (a
+        section that differs only in its ``NotInput`` fields is at its default here)."""
+        value = getattr(self, name)
+        default = type(self).model_fields[name].get_default(call_default_factory=True)
+        if isinstance(value, Config) and isinstance(default, Config):
+            return value.inputs_dump() == default.inputs_dump()
+        return self.at_default(name)
 
     def identity_dump(self) -> dict:
         """The config as part of a campaign's identity (what a resume must match): without the ``NotInput``

@@ -1,14 +1,17 @@
-"""The environment section of an agentic round: the episode's budgets and the warm pool of tool sandboxes.
+"""The episode section of an agentic round (``round.environment`` set): the episode's budgets and the warm pool of
+tool sandboxes.
 
-Light (pydantic only), like every config module. tasks/environments/ reads these; the rollout stage does not
-yet (docs/environments.md says what is wired).
+Light (pydantic only), like every config module. tasks/environments/ and the rollout and evaluate stages read these
+(docs/environments.md).
 """
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from pydantic import ConfigDict, Field, model_validator
 
-from tasks.config.base import Config
+from tasks.config.base import Config, NotInput
 from tasks.config.verify import SandboxLimits
 
 
@@ -47,12 +50,26 @@ class ToolPoolConfig(Config):
 
     model_config = ConfigDict(frozen=True)
 
-    sandboxes: int = Field(4, ge=1, le=1024)
+    sandboxes: Annotated[int, NotInput("how many calls run at once: speed and memory, never what is computed")] = Field(
+        4, ge=1, le=1024
+    )
     """Pre-started sandboxes (each a contained interpreter with the tools already loaded). Tool calls beyond this
     many at once wait for one, and the wait is recorded. Changes speed and memory only, never what is computed."""
-    warm: bool = True
+    warm: Annotated[bool, NotInput("a warm or a cold start of the same sandbox: speed only")] = True
     """Keep sandboxes started between calls and fork a fresh process per call from the pre-loaded template (True),
     or start a cold sandbox per call (False: the baseline benchmarks/episodes.py compares against). Changes speed
     only, never what is computed."""
     limits: SandboxLimits = SandboxLimits(wall_timeout_s=30.0, cpu_time_s=30)
     """Resource limits of each sandbox; a call's own wall clock is the episode's ``step_timeout_s``."""
+
+
+class EpisodeConfig(Config):
+    """How an agentic round's episodes run (``round.environment`` names the environment)."""
+
+    budget: EpisodeBudget = EpisodeBudget()
+    """What one episode may spend: turns, policy tokens, tool seconds, and one step's timeout. rollout.max_tokens
+    is one turn's limit; budget.max_tokens the whole episode's."""
+    tools: ToolPoolConfig = ToolPoolConfig()
+    """The warm pool of tool sandboxes, sized independently of the engine."""
+    env_workers: Annotated[int, NotInput("threads that run environment steps: speed only")] = Field(32, ge=1, le=4096)
+    """Environment steps (tool calls) in flight at once while the engine keeps decoding other episodes."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from typing import Literal
@@ -166,31 +166,89 @@ class EpisodeRunner:
         sampling: SamplingParams,
         schedule: Schedule = "overlap",
         env_workers: int = 16,
+        max_context: int | None = None,
     ) -> None:
         self.session = session
         self.tokenizer = tokenizer
         self.make_environment = make_environment
         self.pool = pool
         self.budget = budget
-        self.sampling = replace(sampling, max_tokens=min(sampling.max_tokens, budget.max_tokens))
+        turn_stops = tuple(s for s in getattr(make_environment, "stop", ()) if s not in sampling.stop)
+        self.sampling = replace(
+            sampling, max_tokens=min(sampling.max_tokens, budget.max_tokens), stop=(*sampling.stop, *turn_stops)
+        )
         self.schedule = schedule
         self.env_workers = env_workers
+        self.max_context = max_context
+        """The model's positions: a turn stops where they run out, and an episode with no room left for a turn
+        after its observation is a model failure (it spent its context without answering)."""
         self._format: EpisodeFormat | None = None
 
-    def run(self, prompts: Sequence[Prompt], *, n: int = 1) -> tuple[list[EpisodeRecord], RunnerStats]:
-        """``n`` episodes of each prompt (a group per prompt); their records in prompt order, and the batch's stats."""
+    def run(
+        self,
+        prompts: Iterable[Prompt],
+        *,
+        n: int = 1,
+        max_live_groups: int | None = None,
+        enough: Callable[[list[EpisodeRecord]], bool] | None = None,
+        progress: Callable[[RunnerStats, int], None] | None = None,
+        group_id: Callable[[int, Prompt], str] | None = None,
+    ) -> tuple[list[EpisodeRecord], RunnerStats]:
+        """``n`` episodes of each prompt (a group per prompt); their records in the order their groups were started,
+        and the batch's stats.
+
+        ``prompts`` is read lazily: at most ``max_live_groups`` groups are in flight (all of them when None), and a
+        new one starts as one finishes. ``enough(group)`` is asked as each group finishes; once it says True no
+        further group starts, and the groups in flight finish (their episodes are recorded, never dropped).
+        ``progress(stats, groups_finished)`` is called as each group finishes. ``group_id(index, prompt)`` names the
+        index-th group (default: its prompt's id); episode ``i`` of a group is ``<group id>/<i>``, which seeds its
+        sampling, so a prompt drawn twice needs two group ids."""
         began = time.perf_counter()
         stats = RunnerStats()
         pool_wait, before = self.pool.stats.wait_s, replace(self.session.stats)
         live: dict[str, _Live] = {}
         records: list[EpisodeRecord] = []
-        for prompt in prompts:
-            for i in range(n):
-                records.append(self._start(prompt, f"{prompt.prompt_id}/{i}", live))
+        pending: dict[str, list[EpisodeRecord]] = {}  # groups in flight -> their records
+        self._unfinished: dict[str, int] = {}  # groups in flight -> their episodes not finished yet
+        source = enumerate(prompts)
+        started: set[str] = set()
+        feeding, satisfied = True, False  # prompts left to start; enough() said the batch is full
+        finished_groups = 0
+
+        def feed() -> None:
+            nonlocal feeding
+            while feeding and (max_live_groups is None or len(pending) < max_live_groups):
+                index, prompt = next(source, (0, None))
+                if prompt is None:
+                    feeding = False
+                    return
+                gid = prompt.prompt_id if group_id is None else group_id(index, prompt)
+                if gid in started:
+                    raise ValueError(f"group id {gid!r} is used twice; pass group_id to name each group")
+                started.add(gid)
+                self._unfinished[gid] = n
+                group = [self._start(prompt, f"{gid}/{i}", gid, live) for i in range(n)]
+                records.extend(group)
+                pending[gid] = group
+
+        def settle() -> None:
+            """Groups whose every episode finished: tell ``enough`` and ``progress``; start new ones in their place."""
+            nonlocal feeding, finished_groups, satisfied
+            for done in [g for g, left in self._unfinished.items() if left == 0]:
+                del self._unfinished[done]
+                group = pending.pop(done)
+                finished_groups += 1
+                if enough is not None and not satisfied and enough(group):
+                    satisfied, feeding = True, False
+                if progress is not None:
+                    progress(stats, finished_groups)
+            feed()
+
         steps: dict[Future, str] = {}  # environment steps in flight -> their episode
         workers_count = 1 if self.schedule == "sequential" else self.env_workers  # sequential: one step at a time
         workers = ThreadPoolExecutor(workers_count, thread_name_prefix="episode-env")
         try:
+            feed()
             while live:
                 for future in [f for f in steps if f.done()]:
                     episode_id = steps.pop(future)
@@ -201,6 +259,8 @@ class EpisodeRunner:
                     if episode_id in live and now > live[episode_id].deadline:  # abandoned: its thread may linger
                         steps.pop(future)
                         self._finish(live, episode_id, infra_error="the environment step did not return in time")
+                if 0 in self._unfinished.values():
+                    settle()
                 if steps and (self.schedule != "overlap" or not self.session.busy):
                     # turn after turn, the engine waits for every step of the turn; overlapped, only when it has
                     # nothing left to decode
@@ -219,8 +279,12 @@ class EpisodeRunner:
                     state.step_due = False
                     state.deadline = math.inf  # set when the step starts: a step queued for a worker is not late
                     steps[workers.submit(self._step, state)] = episode_id
+                if not live:
+                    settle()  # the last groups finished: tell enough/progress, and feed more if wanted
         finally:
             workers.shutdown(wait=False, cancel_futures=True)  # an abandoned step must not hold the batch
+            for episode_id in list(live):  # an error left episodes in flight: release what they hold
+                self._finish(live, episode_id, infra_error="the batch stopped before the episode finished")
         stats.wall_s = time.perf_counter() - began
         after = self.session.stats
         stats.decode_steps = after.decode_steps - before.decode_steps
@@ -233,7 +297,7 @@ class EpisodeRunner:
 
     # -- one episode's life ------------------------------------------------------------------------
 
-    def _start(self, prompt: Prompt, episode_id: str, live: dict[str, _Live]) -> EpisodeRecord:
+    def _start(self, prompt: Prompt, episode_id: str, group_id: str, live: dict[str, _Live]) -> EpisodeRecord:
         env = self.make_environment(self.pool)
         first = env.reset(prompt)
         if self._format is None:
@@ -241,14 +305,23 @@ class EpisodeRunner:
         text, ids = self._format.prompt(first)
         record = EpisodeRecord(
             episode_id=episode_id,
-            group_id=prompt.prompt_id,
+            group_id=group_id,
             prompt_id=prompt.prompt_id,
             prompt_text=text,
             prompt_token_ids=ids,
             started_at=time.time(),
         )
         live[episode_id] = _Live(record, env)
-        self.session.start(EpisodeStart(episode_id=episode_id, prompt_token_ids=ids, sampling=self.sampling))
+        sampling = self.sampling
+        if self.max_context is not None:
+            room = self.max_context - len(ids)
+            if room < 1:
+                raise ValueError(
+                    f"prompt {prompt.prompt_id} renders to {len(ids)} tokens with its tools; the model has "
+                    f"{self.max_context} positions"
+                )
+            sampling = replace(sampling, max_tokens=min(sampling.max_tokens, room))
+        self.session.start(EpisodeStart(episode_id=episode_id, prompt_token_ids=ids, sampling=sampling))
         return record
 
     def _turn_ended(self, live: dict[str, _Live], turn: PolicyTurn) -> None:
@@ -307,7 +380,15 @@ class EpisodeRunner:
         last.observation_text, last.observation_ids = self._format.observation(
             result.observation.text, turn_ids=last.token_ids, finish_reason=last.finish_reason
         )
-        self.session.extend(episode_id, last.observation_ids, max_tokens=budget.max_tokens - state.policy_tokens)
+        left = budget.max_tokens - state.policy_tokens
+        if self.max_context is not None:
+            used = len(record.prompt_token_ids) + sum(len(t.token_ids) + len(t.observation_ids) for t in record.turns)
+            left = min(left, self.max_context - used)
+            if left < 1:
+                last.observation_text, last.observation_ids = "", []
+                self._finish(live, episode_id, exhausted=f"no answer within the model's {self.max_context} positions")
+                return
+        self.session.extend(episode_id, last.observation_ids, max_tokens=left)
 
     def _finish(
         self,
@@ -320,6 +401,7 @@ class EpisodeRunner:
         exhausted: str | None = None,
     ) -> None:
         state = live.pop(episode_id)
+        self._unfinished[state.record.group_id] -= 1
         verdict = episode_outcome(done=done, reward=reward, infra_error=infra_error, exhausted=exhausted)
         record = state.record
         record.outcome, record.reward, record.error = verdict.outcome, verdict.reward, verdict.error

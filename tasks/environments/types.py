@@ -53,6 +53,9 @@ class StepResult:
 class Environment(Protocol):
     tools: Sequence[Tool]
     """The tools the policy is shown (rendered into its prompt)."""
+    stop: Sequence[str]
+    """Strings that end a policy turn besides the engine's stop tokens (a tool call's closing tag), read from the
+    class (or factory): the runner adds them to every turn's sampling."""
 
     def reset(self, prompt: Prompt) -> Observation: ...
 
@@ -91,6 +94,7 @@ class ToolEnvironment(ABC):
     model's. A tool whose process crashed or hung is an infrastructure failure of the step."""
 
     tool_functions: Sequence[Callable] = ()
+    stop: Sequence[str] = ("</tool_call>",)
 
     def __init__(self, pool: ToolPool) -> None:
         self.pool = pool

@@ -19,17 +19,24 @@ from typing import Annotated
 
 from transformers import PreTrainedTokenizerBase
 
+from models.checkpoint import context_length
 from models.engines.greedy import greedy_completions
-from models.engines.types import RolloutEngine
+from models.engines.types import RolloutEngine, SamplingParams
 from storage import checkpoints
 from storage.model_versions import parse_model_version
 from storage.paths import StorageRoot
 from storage.settings import settings
 from storage.tracking import Tracker, checkpoint_uri
-from tasks.config.base import NotInput
+from tasks.config.base import AddedInput, NotInput
+from tasks.config.environment import EpisodeConfig
 from tasks.config.evaluate import EvaluateConfig
 from tasks.config.prompts import PromptsConfig
 from tasks.config.verify import VerifyConfig
+from tasks.environments.runner import EpisodeRunner
+from tasks.environments.session import open_session
+from tasks.environments.tool_pool import ToolPool
+from tasks.environments.tools import Tool
+from tasks.environments.types import load_environment
 from tasks.evaluate.gate import PROMOTED_TAG, champion_gate, recorded_verdict
 from tasks.prompts.sources import evaluation_prompts
 from tasks.publish.describe import describe_version
@@ -63,6 +70,54 @@ def accuracy(
     }
 
 
+def episode_accuracy(
+    engine: RolloutEngine,
+    tokenizer,
+    prompts,
+    environment: str,
+    episode: EpisodeConfig,
+    max_tokens: int,
+    max_context: int | None = None,
+) -> dict[str, float]:
+    """Greedy held-out success of ``engine`` as an agent: one episode per prompt in ``environment`` (within
+    ``episode``'s budgets, ``max_tokens`` per turn); the same figures as ``accuracy``. An episode that ends in an
+    environment failure is not a success (and is reported), as an unscored single-turn answer is not."""
+    factory = load_environment(environment)
+    tools = [Tool.from_function(f) for f in getattr(factory, "tool_functions", ())]
+    with ToolPool(tools, episode.tools) as pool:
+        runner = EpisodeRunner(
+            open_session(engine, max_live=max(1, len(prompts))),
+            tokenizer,
+            factory,
+            pool,
+            budget=episode.budget,
+            sampling=SamplingParams(0.0, 1.0, max_tokens, 0),
+            env_workers=episode.env_workers,
+            max_context=max_context,
+        )
+        records, _ = runner.run(prompts, group_id=lambda index, prompt: f"eval-{index:06d}")
+    successes = sum(r.outcome == Outcome.SUCCESS for r in records)
+    return {
+        "accuracy": successes / max(len(prompts), 1),
+        "prompts": len(prompts),
+        "infra_failures": sum(r.outcome == Outcome.INFRA_FAILURE for r in records),
+        "mean_tokens": sum(len(r.token_ids) for r in records) / max(len(prompts), 1),
+    }
+
+
+def held_out_scorer(
+    verify: VerifyConfig, environment: str | None, episode: EpisodeConfig | None, max_context: int | None = None
+):
+    """``score(engine, tokenizer, prompts, max_tokens) -> figures``: ``accuracy`` with the verifier ``verify`` names,
+    or with ``environment`` set, ``episode_accuracy`` in it."""
+    if environment is not None:
+        return lambda engine, tokenizer, prompts, max_tokens: episode_accuracy(
+            engine, tokenizer, prompts, environment, episode or EpisodeConfig(), max_tokens, max_context
+        )
+    verifier = scoring_verifier(verify)
+    return lambda engine, tokenizer, prompts, max_tokens: accuracy(engine, tokenizer, prompts, verifier, max_tokens)
+
+
 def scoring_verifier(verify: VerifyConfig) -> Verifier:
     """The verifier ``verify`` names, configured by it (RoundConfig.verify_resolved names it)."""
     if verify.verifier is None:
@@ -81,6 +136,8 @@ def evaluate_checkpoint(
     policy_version: int | None = None,
     role: str = "rollout",
     device: str = "auto",
+    environment: str | None = None,
+    episode: EpisodeConfig | None = None,
 ) -> HeldOutScores:
     """Score a local checkpoint on the serving engine/dtype and, if different, the training precision.
 
@@ -88,8 +145,9 @@ def evaluate_checkpoint(
     in place if it serves another checkpoint): a vLLM engine is started once per campaign, not per round.
     ``role``: which live engine (tasks/serving/live.py; overlap mode evaluates on its own).
     Without them, a fresh engine is made and released after scoring. ``device``: where embedded engines score.
+    ``environment``: score as an agent, one greedy episode per prompt in it (``episode_accuracy``).
     """
-    verifier = scoring_verifier(verify)
+    score = held_out_scorer(verify, environment, episode, context_length(local_dir))
     live = engines is not None and policy_version is not None
     if live:
         engine, tokenizer, _ = engines.serve(
@@ -105,13 +163,13 @@ def evaluate_checkpoint(
             config.serving_engine, local_dir, dtype=config.serving_dtype, policy_version=0, device=device
         )
     try:
-        serving = accuracy(engine, tokenizer, prompts, verifier, config.max_tokens)
+        serving = score(engine, tokenizer, prompts, config.max_tokens)
     finally:
         if not live:
             engine.close()
     if (config.serving_engine, config.serving_dtype) != ("embedded", train_dtype):
         train_engine, _ = make_engine("embedded", local_dir, dtype=train_dtype, policy_version=0, device=device)
-        at_train = accuracy(train_engine, tokenizer, prompts, verifier, config.max_tokens)["accuracy"]
+        at_train = score(train_engine, tokenizer, prompts, config.max_tokens)["accuracy"]
     else:
         at_train = serving["accuracy"]
     return HeldOutScores(
@@ -175,6 +233,8 @@ def run_evaluate(
     config: EvaluateConfig,
     prompts: PromptsConfig,
     verify: VerifyConfig,
+    environment: Annotated[str | None, AddedInput(since="2026-12-04", keyed_at_default=False)] = None,
+    episode: Annotated[EpisodeConfig | None, AddedInput(since="2026-12-04", keyed_at_default=False)] = None,
     checkpoint: str,
     model_version: str | None,
     train_dtype: str = "float32",
@@ -207,6 +267,8 @@ def run_evaluate(
         policy_version=ctx.round,
         role=engine_role,
         device=device,
+        environment=environment,
+        episode=episode,
     )
     if not model_version:  # nothing registered, nothing to promote
         return Evaluation(**scores.model_dump(), promoted=False, gate_passed=False)
@@ -240,6 +302,8 @@ def run_evaluate(
             config=config,
             train_dtype=train_dtype,
             device=device,
+            environment=environment,
+            episode=episode,
         ),
     )
     describe_version(tracker, root, model_version)  # the MLflow UI's summary of the tags just written
@@ -258,6 +322,8 @@ def champion_accuracy(
     config: EvaluateConfig,
     train_dtype: str,
     device: str = "auto",
+    environment: str | None = None,
+    episode: EpisodeConfig | None = None,
 ) -> float:
     """The champion's serving accuracy on the engine and dtype ``scores`` were measured with.
 
@@ -273,7 +339,9 @@ def champion_accuracy(
     if same_place and "eval.accuracy" in tags:
         return float(tags["eval.accuracy"])
     local = checkpoints.local_copy(root, checkpoint_uri(registered))
-    scored = evaluate_checkpoint(local, prompts, verify, config, train_dtype=train_dtype, device=device)
+    scored = evaluate_checkpoint(
+        local, prompts, verify, config, train_dtype=train_dtype, device=device, environment=environment, episode=episode
+    )
     tracker.tag_model_version(name, champion, precision_tags(scored))
     return scored.accuracy
 
@@ -288,6 +356,8 @@ def run_evaluate_version(
     train_dtype: str = "float32",
     engines: Annotated[LiveEngines, NotInput("the live engines of the flow that scores")],
     device: str = "auto",
+    environment: str | None = None,
+    episode: EpisodeConfig | None = None,
 ) -> VersionEvaluation:
     """Score a registered model version ('NAME/VERSION') at ``config``'s serving engine and dtype and at
     training precision, on ``device``; tag both and the gap on the version. The champion alias is not touched."""
@@ -310,6 +380,8 @@ def run_evaluate_version(
         engines=engines,
         policy_version=policy_version,
         device=device,
+        environment=environment,
+        episode=episode,
     )
     tags = precision_tags(scores)
     if "eval.accuracy" not in registered.tags:  # never evaluated: this becomes its evaluation

@@ -21,9 +21,11 @@ from storage.trajectories import (
     clear_staging,
     committed_round_version,
     missing_staged,
+    policy_token_count,
     read_staged,
     read_staged_carryover,
     read_table,
+    sampled_versions,
     write_version,
 )
 from tasks.config.base import NotInput
@@ -66,8 +68,9 @@ def overlong_penalty(length: int, max_tokens: int, buffer: int) -> float:
 
 def _sample_rule(row: dict, config: FilterConfig, policy_version: int | None) -> str | None:
     """Why a scored sample leaves its group before advantages are computed (None: it stays)."""
-    if config.max_staleness is not None and policy_version is not None and row.get("token_policy_versions"):
-        if policy_version - min(row["token_policy_versions"]) > config.max_staleness:
+    sampled = sampled_versions(row.get("token_policy_versions"))
+    if config.max_staleness is not None and policy_version is not None and sampled:
+        if policy_version - min(sampled) > config.max_staleness:
             return DROP_STALE
     if config.overlong == "drop" and row.get("finish_reason") == "length":
         return DROP_OVERLONG
@@ -81,7 +84,7 @@ def shaped_reward(row: dict, config: FilterConfig) -> float:
     max_tokens = (row.get("sampling") or {}).get("max_tokens")
     if not max_tokens:
         return row["reward"]
-    return row["reward"] + overlong_penalty(len(row["completion_token_ids"]), max_tokens, config.overlong_buffer)
+    return row["reward"] + overlong_penalty(policy_token_count(row), max_tokens, config.overlong_buffer)
 
 
 def decide(
@@ -198,7 +201,7 @@ def filter_stats(rows: list[dict]) -> dict[str, float]:
     if rows and "completion_token_ids" in rows[0]:
         stats.update(length_bias(rows))
     stats["filter/kept_rows_spanning_versions"] = sum(
-        1 for r in rows if r["kept"] and len(set(r.get("token_policy_versions") or [])) > 1
+        1 for r in rows if r["kept"] and len(set(sampled_versions(r.get("token_policy_versions")))) > 1
     )
     return stats
 
@@ -213,6 +216,7 @@ DECISION_INPUTS = (
     "token_policy_versions",
     "finish_reason",
     "completion_token_ids",
+    "turns",
     "sampling",
 )
 """The columns ``decide``, ``apply_decisions`` and ``filter_stats`` read."""

@@ -15,13 +15,15 @@ from models.checkpoint import context_length
 from storage import checkpoints
 from storage.paths import StorageRoot
 from storage.trajectories import committed_round_version, read_carryover, read_manifest, stage_rollout
-from tasks.config.base import NotInput
+from tasks.config.base import AddedInput, NotInput
+from tasks.config.environment import EpisodeConfig
 from tasks.config.filter import FilterConfig
 from tasks.config.prompts import PromptsConfig
 from tasks.config.rollout import RolloutConfig
 from tasks.config.verify import VerifyConfig
 from tasks.rollout.collection import RolloutCollection
 from tasks.rollout.curriculum import solved_prompts
+from tasks.rollout.episodes import EpisodeCollection
 from tasks.rollout.overlap import Overlapped
 from tasks.rollout.speculation import RoundSpeculation
 from tasks.round.context import RoundContext
@@ -49,6 +51,8 @@ def run_rollout(
     filtering: FilterConfig,
     target_groups: int,
     carry_from: str | None = None,
+    environment: Annotated[str | None, AddedInput(since="2026-12-04", keyed_at_default=False)] = None,
+    episode: Annotated[EpisodeConfig | None, AddedInput(since="2026-12-04", keyed_at_default=False)] = None,
     engines: Annotated[LiveEngines, NotInput("the live engines of the flow that runs the round")],
     progress: Annotated[Callable[[str], None] | None, NotInput("a progress callback")] = None,
     overlap: Annotated[
@@ -65,7 +69,10 @@ def run_rollout(
     the previous round's (``carry_source``); None resumes nothing. The round's own unfinished samples
     are staged beside its rows (``Staged.carryover``) for filter to commit with its version.
     ``overlap``: start from ``overlap.start_checkpoint`` instead, while the parent is still training,
-    and switch to the parent mid-way (tasks/rollout/overlap.py). ``device``: where an embedded engine generates."""
+    and switch to the parent mid-way (tasks/rollout/overlap.py). ``device``: where an embedded engine generates.
+    ``environment``: the round's samples are multi-turn episodes in this environment (``pkg.mod:Name``), run as
+    ``episode`` says (tasks/rollout/episodes.py; None: its defaults); None: one completion per sample, scored by
+    ``verify``."""
     root = StorageRoot.of(ctx.storage)
     committed = committed_round_version(root, ctx.run_id, ctx.round)
     if committed is not None:  # resumed after filter committed this round: generating again could only differ
@@ -90,6 +97,27 @@ def run_rollout(
         update_kv=rollout.update_kv,
         device=device,
     )
+    if environment is not None:
+        episodes = EpisodeCollection(
+            engine,
+            tokenizer,
+            environment=environment,
+            episode=episode or EpisodeConfig(),
+            prompts=prompts,
+            rollout=rollout,
+            filtering=filtering,
+            target_groups=target_groups,
+            seed=ctx.stage_seed("rollout"),
+            run_id=ctx.run_id,
+            round_index=ctx.round,
+            max_context=context_length(local),
+            policy_version=ctx.parent_policy_version,
+            solved=solved,
+        )
+        result = episodes.collect(progress=progress)
+        check_infra_failure_rate(result.stats, verify.max_infra_failure_rate, ctx.round)
+        staging, carryover = stage_rollout(root, ctx.run_id, ctx.round, result.rows, result.carry_rows)
+        return Staged(staging=staging, carryover=carryover, stats=result.stats)
     collection = RolloutCollection(
         engine,
         tokenizer,

@@ -100,6 +100,27 @@ def _speculation(s: dict) -> list[tuple[str, str]]:
     ]
 
 
+def _episodes(s: dict) -> list[tuple[str, str]]:
+    """An agentic round's engine wait on environments ("your most expensive GPU waits for your cheapest
+    container") beside its time to a trainable batch; nothing for a single-turn round."""
+    if "episodes/engine_wait_s" not in s:
+        return []
+    return [
+        (
+            "engine waiting on environments",
+            f"{_fmt(s, 'episodes/engine_wait_s', '.2f', ' s')} ({_fmt(s, 'episodes/engine_wait_fraction', '.0%')})",
+        ),
+        (
+            "tool seconds / sandbox wait",
+            f"{_fmt(s, 'episodes/tool_seconds', '.2f')} / {_fmt(s, 'episodes/sandbox_wait_s', '.2f', ' s')}",
+        ),
+        (
+            "turns per episode (mean / max)",
+            f"{_fmt(s, 'episodes/turns_mean', '.2f')} / {_fmt(s, 'episodes/turns_max', '.0f')}",
+        ),
+    ]
+
+
 def report_sections(s: dict) -> list[tuple[str, list[tuple[str, str]]]]:
     """(question, [(measure, value), ...]) in the order the report answers them: one short figure per
     row, so the table fits a page however many figures a question has."""
@@ -113,6 +134,7 @@ def report_sections(s: dict) -> list[tuple[str, list[tuple[str, str]]]]:
                     "groups complete / trainable target",
                     f"{_fmt(s, 'rollout/groups', '.0f')} / {_fmt(s, 'rollout/target_groups', '.0f')}",
                 ),
+                *_episodes(s),
             ],
         ),
         ("speculative rollout", _speculation(s)),

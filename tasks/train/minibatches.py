@@ -9,6 +9,7 @@ import hashlib
 from dataclasses import dataclass
 
 from models.loss import StepTotals
+from storage.trajectories import policy_mask, policy_token_count
 from tasks.config.train import TrainConfig
 
 
@@ -23,6 +24,15 @@ class TrainBatch:
     max_tokens: int | None = None  # the sampling limit on completion tokens (dr_grpo's denominator)
     step: StepTotals | None = None  # the whole minibatch's totals, when this is one worker's share of it
     idle: bool = False  # a stand-in for a worker with no rows in this minibatch: it trains on nothing
+    policy_mask: list[list[bool]] | None = None
+    """Per completion token, whether the policy sampled it: False at an episode's observation tokens, which stay in
+    the sequence the trainer scores and out of the loss. None: every token is the policy's (single-turn rows)."""
+
+    def policy_tokens(self) -> int:
+        """Completion tokens in the loss (observation tokens not counted)."""
+        if self.policy_mask is None:
+            return sum(len(c) for c in self.completion_ids)
+        return sum(sum(m) for m in self.policy_mask)
 
 
 def minibatches(
@@ -45,7 +55,7 @@ def sharded_minibatches(
     for groups in step_groups(rows, groups_per_step, steps, shuffle_seed):
         chosen = sum(groups, [])
         sampled = max((sampling_limit(r) for r in chosen), default=0) or None
-        totals = StepTotals(sum(len(r["completion_token_ids"]) for r in chosen), len(chosen), sampled)
+        totals = StepTotals(sum(policy_token_count(r) for r in chosen), len(chosen), sampled)
         bounds = [len(groups) * w // workers for w in range(workers + 1)]
         for worker, (a, b) in enumerate(zip(bounds, bounds[1:])):
             mine = sum(groups[a:b], [])
@@ -78,6 +88,7 @@ def sampling_limit(row: dict) -> int:
 
 
 def batch_of(chosen: list[dict], step: StepTotals | None = None, idle: bool = False) -> TrainBatch:
+    masks = [policy_mask(r) for r in chosen]
     return TrainBatch(
         prompt_ids=[r["prompt_token_ids"] for r in chosen],
         completion_ids=[r["completion_token_ids"] for r in chosen],
@@ -88,6 +99,9 @@ def batch_of(chosen: list[dict], step: StepTotals | None = None, idle: bool = Fa
         max_tokens=step.max_tokens if step else max((sampling_limit(r) for r in chosen), default=0) or None,
         step=step,
         idle=idle,
+        policy_mask=None
+        if all(m is None for m in masks)
+        else [[True] * len(r["completion_token_ids"]) if m is None else m for r, m in zip(chosen, masks)],
     )
 
 
@@ -103,9 +117,7 @@ def microbatches(batch: TrainBatch, config: TrainConfig) -> list[TrainBatch]:
     budget = config.max_tokens_per_microbatch
     if budget is None:
         return [batch]
-    totals = batch.step or StepTotals(
-        sum(len(c) for c in batch.completion_ids), len(batch.completion_ids), batch.max_tokens
-    )
+    totals = batch.step or StepTotals(batch.policy_tokens(), len(batch.completion_ids), batch.max_tokens)
     bounds, first, widest = [0], 0, 0
     for row, (prompt, completion) in enumerate(zip(batch.prompt_ids, batch.completion_ids)):
         widest = max(widest, len(prompt) + len(completion))
@@ -124,6 +136,7 @@ def microbatches(batch: TrainBatch, config: TrainConfig) -> list[TrainBatch]:
             max_tokens=batch.max_tokens,
             step=totals,
             idle=batch.idle,
+            policy_mask=None if batch.policy_mask is None else batch.policy_mask[a:b],
         )
         for a, b in zip(bounds, bounds[1:])
     ]

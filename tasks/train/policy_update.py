@@ -258,6 +258,8 @@ def part_step(
     mask = tokens.completion_mask.float()  # [B, C]
     if batch.idle:  # a worker's stand-in rows when the minibatch has none for it (``shard``): they count for nothing
         mask = torch.zeros_like(mask)
+    elif batch.policy_mask is not None:  # an episode's observation tokens: scored as context, never in the loss
+        mask = mask * right_padded(batch.policy_mask, width).to(mask.device)
     device = mask.device
     behaviour = right_padded(batch.behaviour, width).to(device)  # [B, C]
     with forward():

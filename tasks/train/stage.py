@@ -61,6 +61,7 @@ TRAIN_COLUMNS = [
     "token_policy_versions",
     "engine",
     "sampling",
+    "turns",
 ]
 
 

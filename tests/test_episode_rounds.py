@@ -199,3 +199,52 @@ def test_a_round_of_the_agent_campaign_replays_bitwise(agent_campaign):
     weights = "model.safetensors"
     with open(os.path.join(original, weights), "rb") as a, open(os.path.join(replay["checkpoint"], weights), "rb") as b:
         assert a.read() == b.read()
+
+
+def test_an_agentic_round_killed_after_its_rollout_resumes_without_playing_again(
+    prefect_harness, chat_policy_dir, tmp_path
+):
+    """`rlrounds run` killed (SIGKILL) right after round 1's rollout staged its episodes: the resumed campaign
+    commits exactly those episodes (their start times are the staged ones) instead of playing them again."""
+    import yaml
+    from test_resume import Campaign
+
+    from storage.trajectories import committed_round_version, read_staged
+
+    (tmp_path / "guess_env.py").write_text(docs_module("guess_env.py"))
+    config = {
+        "rounds": 1,
+        "run_id": "agent-crash",
+        "round": {
+            "policy": {"base_model": chat_policy_dir},
+            "prompts": {"source": guesses(tmp_path / "guesses.jsonl", 32, 2), "task": "guess"},
+            "environment": "guess_env:GuessEnvironment",
+            "episode": {"budget": {"max_turns": 2, "max_tokens": 32}, "tools": {"sandboxes": 1}},
+            "rollout": {"max_tokens": 12, "samples_per_prompt": 4},
+            "train": {"groups_per_step": 2, "steps_per_round": 1},
+            "evaluate": {"source": guesses(tmp_path / "held_out.jsonl", 4, 3), "max_tokens": 12},
+            "publish": {"model_name": "guess-crash"},
+        },
+    }
+    path = tmp_path / "agent.yaml"
+    path.write_text(yaml.safe_dump(config))
+    storage = str(tmp_path / "data")
+    campaign = Campaign(storage)
+    pythonpath = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path), pythonpath]))
+    try:
+        campaign.run("--config", str(path), crash_after="rollout:1", expect_crash=True)
+        root = StorageRoot.of(storage)
+        staging = read_staged(root, root.rollout_staging_file("agent-crash", 1)).to_pylist()
+        staged = sorted((r["group_id"], r["sample_index"], r["started_at"]) for r in staging)
+        assert staged and committed_round_version(root, "agent-crash", 1) is None
+        out, _ = campaign.run("--resume", "agent-crash", "--config", str(path))
+    finally:
+        if pythonpath is None:
+            os.environ.pop("PYTHONPATH")
+        else:
+            os.environ["PYTHONPATH"] = pythonpath
+    committed = read_table(root, committed_round_version(root, "agent-crash", 1)).to_pylist()
+    assert sorted((r["group_id"], r["sample_index"], r["started_at"]) for r in committed) == staged
+    assert all(r["turns"] for r in committed)
+

@@ -152,3 +152,13 @@ def test_restored_rows_with_tails_of_different_lengths_match_a_fresh_prefill(tin
         step = torch.tensor([3, 4, 5, 6, 7])
         assert torch.allclose(cache.step(step), fresh.step(step), atol=1e-5)
         assert cache.lengths[:5].tolist() == [len(s) + len(t) + 1 for s, t in zip(seqs, tails)]
+
+
+def test_open_session_picks_the_session_of_the_engines_kind(tiny_policy_dir):
+    from models.engines.sessions import open_session
+
+    engine, _ = _engine(tiny_policy_dir)
+    assert type(open_session(engine, max_live=2)) is EmbeddedEpisodes
+    assert not open_session(engine, max_live=2, keep_kv=False).keeps_kv
+    with pytest.raises(TypeError, match="embedded or vllm"):
+        open_session(object(), max_live=2)

@@ -6,9 +6,10 @@ policy's next turn, and so on. The engine never sees text: what the policy sampl
 (never decoded and encoded again, which need not give the same ids back), and an observation is appended as the
 ids the caller encoded it to. So the sequence the trainer scores is exactly the sequence that was sampled.
 
-A session (``EpisodeSession``) is opened on an engine and driven by the caller one step at a time; on the
-embedded engine it is ``EmbeddedEpisodes(engine, max_live=..., keep_kv=...)`` (models/engines/embedded_episodes.py),
-and another engine (vLLM) implements the same protocol:
+A session (``EpisodeSession``) is opened on an engine and driven by the caller one step at a time.
+``open_session(engine, max_live=..., keep_kv=...)`` (models/engines/sessions.py) opens the one for the engine's
+kind: ``EmbeddedEpisodes`` (models/engines/embedded_episodes.py), ``VLLMEpisodes`` (models/engines/vllm_episodes.py)
+or, over Ray replicas, ``ReplicaEpisodes``, which keeps each episode on one replica:
 
     session.start(EpisodeStart(...))           # queue a new episode (its prompt)
     session.extend(episode_id, observation)    # queue its next turn: the observation's ids are appended
@@ -20,15 +21,16 @@ A turn ends at a stop token (``EmbeddedEngine``'s end-of-sequence ids), a stop s
 (``</tool_call>``, say) or its ``max_tokens``. Between ``step`` calls the caller runs the environment: episodes
 waiting on their tools hold no row of the decode batch, so the others keep decoding while tools run.
 
-KV kept between turns (``keep_kv=True``, the embedded engine's slot cache): when a turn ends, the keys and values
-of the episode's sequence are set aside; ``extend`` puts them back and prefills only the new tokens (the turn's
-last sampled token, not yet fed, and the observation) as an append onto them. ``keep_kv=False`` prefills the whole
-sequence again each turn: the same tokens and logprobs (to float rounding), far more prefill. ``SessionStats``
-counts both.
+KV kept between turns (``keep_kv=True``). On the embedded engine's slot cache: when a turn ends, the keys and
+values of the episode's sequence are set aside; ``extend`` puts them back and prefills only the new tokens (the
+turn's last sampled token, not yet fed, and the observation) as an append onto them. On vLLM, its prefix cache keeps
+them (models/engines/vllm_episodes.py). ``keep_kv=False`` prefills the whole sequence again each turn: the same
+tokens and logprobs (to float rounding), far more prefill. ``SessionStats`` counts both.
 
 Sampling noise is a function of (episode seed, position in the sequence, vocabulary index), as for single-turn
 samples (models/engines/embedded.py ``sample_tokens``), so an episode replays the same whatever else shared its
-batch and however long its tools took.
+batch and however long its tools took. (vLLM: each turn's request is seeded by (episode seed, turn), with the
+same consequence.)
 """
 
 from __future__ import annotations
@@ -69,6 +71,8 @@ class PolicyTurn:
     sequence so far (KV not kept)."""
     started_at: float
     finished_at: float
+    replica: int | None = None
+    """The replica (of a replica set, models/engines/sessions.py) whose engine sampled the turn; None: one engine."""
 
 
 @dataclass

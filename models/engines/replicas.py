@@ -16,6 +16,10 @@ replicas; once it is True, groups not yet sent come back as unstarted partial sa
 replica is told to stop that call's samples (a ``stop`` call in the actor's own "control"
 concurrency group, so it runs while ``stream`` is busy), which then stream back partial.
 
+Multi-turn episodes run on the replicas too: each replica actor holds one local episode session
+(``open_episodes``, ``episode_step``, ``episode_end``), driven by ``ReplicaEpisodes`` (models/engines/sessions.py),
+which keeps every turn of an episode on the replica that ran its first.
+
 Checkpoint directories passed to ``load_weights`` must be readable by every replica's node: local
 paths on a one-machine cluster, a shared filesystem otherwise. New weights load between calls only:
 a replica set takes no ``update`` in flight (overlap mode runs one engine in the rollout's process).
@@ -36,11 +40,13 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from models.checkpoint import set_threads
+from models.engines.episodes import EpisodeSession, EpisodeStart, PolicyTurn, SessionStats
 from models.engines.types import (
     EngineInfo,
     GeneratedSample,
@@ -67,6 +73,8 @@ class EngineReplica:
         self.engine = build()
         self._stopped: set[str] = set()  # generation ids whose samples must stop
         self._lock = threading.Lock()
+        self.episodes: EpisodeSession | None = None  # open_episodes
+        self.replica = 0
 
     def describe(self) -> tuple[EngineInfo, int]:
         return self.engine.info, self.engine.policy_version
@@ -121,8 +129,53 @@ class EngineReplica:
         assert isinstance(self.engine, VLLMEngine), "weight_sync is asked only of replicas with nccl_workers"
         self.engine.weight_sync(call, payload)
 
+    # -- an episode session on this replica (models/engines/sessions.py drives it) --------------------
+
+    def open_episodes(self, open_session: OpenSession, replica: int, max_live: int, keep_kv: bool) -> bool:
+        """Open this replica's episode session with ``open_session`` (the router's: it picks the session for this
+        replica's engine); its turns are labelled ``replica``. Returns whether it keeps KV between turns."""
+        self.episodes = open_session(self.engine, max_live=max_live, keep_kv=keep_kv)
+        self.replica = replica
+        return self.episodes.keeps_kv
+
+    def episode_step(self, commands: list[EpisodeStart | EpisodeExtend]) -> tuple[list[PolicyTurn], bool, SessionStats]:
+        """Queue ``commands`` in order, run one step of the session; the turns that ended, whether it is still
+        busy, and its stats so far."""
+        session = self._session()
+        for command in commands:
+            if isinstance(command, EpisodeStart):
+                session.start(command)
+            else:
+                session.extend(command.episode_id, command.observation_token_ids, max_tokens=command.max_tokens)
+        turns = session.step() if session.busy else []
+        for turn in turns:
+            turn.replica = self.replica
+        return turns, session.busy, session.stats
+
+    def episode_end(self, episode_id: str) -> None:
+        self._session().end(episode_id)
+
+    def _session(self) -> EpisodeSession:
+        if self.episodes is None:
+            raise RuntimeError("this replica has no episode session: the router calls open_episodes first")
+        return self.episodes
+
     def close(self) -> None:
         self.engine.close()
+
+
+@dataclass(frozen=True)
+class EpisodeExtend:
+    """An episode's next turn, sent to its replica: ``EpisodeSession.extend``'s arguments."""
+
+    episode_id: str
+    observation_token_ids: tuple[int, ...]
+    max_tokens: int | None = None
+
+
+OpenSession = Callable[..., EpisodeSession]
+"""What opens a replica's local session: ``open_session(engine, *, max_live, keep_kv)`` of models/engines/sessions.py,
+passed in by the router (that module imports this one, so this one does not import it back)."""
 
 
 class ReplicaSyncClient:

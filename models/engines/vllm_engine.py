@@ -66,6 +66,7 @@ from models.engines.types import (
     GeneratedSample,
     GroupRequest,
     RolloutEngine,
+    SamplingParams,
     UpdateKV,
     WeightUpdate,
     sample_seed,
@@ -314,6 +315,10 @@ class VLLMEngine(RolloutEngine):
         update.applied(time.perf_counter() - paused)
         return resumed
 
+    def request_id(self, name: str) -> str:
+        """A request id unique over the engine's life (an aborted request's id may linger in vLLM)."""
+        return f"{next(self._ids)}/{name}"
+
     def configure(self, max_batch: int, update_kv: UpdateKV) -> None:
         # vLLM's scheduler keeps the max_num_seqs it was built with; max_batch caps what generate adds
         self.max_batch = max_batch
@@ -338,15 +343,20 @@ class VLLMEngine(RolloutEngine):
             in_flight[request_id] = _InFlight(group, index, now, self.policy_version, prefix)
 
     def _sampling_params(self, group: GroupRequest, index: int, prefix_tokens: int = 0):
-        from vllm import SamplingParams  # vLLM only for engine 'vllm'
+        seed = resume_seed(sample_seed(group.sampling.seed, group.group_id, index), prefix_tokens)
+        return self.request_params(group.sampling, seed=seed, max_tokens=group.sampling.max_tokens - prefix_tokens)
 
-        s = group.sampling
-        return SamplingParams(
+    def request_params(self, s: SamplingParams, *, seed: int, max_tokens: int, read_cache: bool = True):
+        """vLLM's sampling parameters for one request sampled as ``s`` says (an episode's turn is one too).
+        ``read_cache`` False: the request prefills its whole prompt even where the prefix cache holds it."""
+        from vllm import SamplingParams as VLLMSamplingParams  # vLLM only for engine 'vllm'
+
+        return VLLMSamplingParams(
             n=1,
             temperature=s.temperature,
             top_p=s.top_p,
-            max_tokens=s.max_tokens - prefix_tokens,
-            seed=resume_seed(sample_seed(s.seed, group.group_id, index), prefix_tokens),
+            max_tokens=max_tokens,
+            seed=seed,
             ignore_eos=s.ignore_eos,
             # The embedded engine's stop tokens (the tokenizer's and the generation config's end-of-sequence ids),
             # named rather than left to vLLM's own reading of the generation config, so both stop alike. vLLM
@@ -356,6 +366,7 @@ class VLLMEngine(RolloutEngine):
             include_stop_str_in_output=True,  # the completion ends with the token that completed it, as embedded
             logprobs=0,  # only the sampled token's logprob
             detokenize=bool(s.stop),  # stop strings match on text; else rollout decodes with its own tokenizer
+            skip_reading_prefix_cache=not read_cache,
         )
 
     def _sample(self, out, flight: _InFlight, reason: str | None = None, now: float | None = None) -> GeneratedSample:

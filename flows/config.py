@@ -158,10 +158,7 @@ class RoundConfig(Config):
         unsupported = [
             (self.mode != "sync", "mode 'sync'"),
             (self.rollout.collection != "ready_pool", "rollout.collection 'ready_pool'"),
-            (self.rollout.replicas > 1 or bool(self.rollout.ray_address), "rollout.replicas 1 and no ray_address"),
             (self.rollout.speculative.enabled, "rollout.speculative.enabled false"),
-            (self.rollout.engine != "embedded", "rollout.engine 'embedded'"),
-            (self.evaluate.serving_engine != "embedded", "evaluate.serving_engine 'embedded'"),
         ]
         needs = [need for bad, need in unsupported if bad]
         if needs:

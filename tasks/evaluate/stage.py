@@ -21,6 +21,7 @@ from transformers import PreTrainedTokenizerBase
 
 from models.checkpoint import context_length
 from models.engines.greedy import greedy_completions
+from models.engines.sessions import open_session
 from models.engines.types import RolloutEngine, SamplingParams
 from storage import checkpoints
 from storage.model_versions import parse_model_version
@@ -33,7 +34,6 @@ from tasks.config.evaluate import EvaluateConfig
 from tasks.config.prompts import PromptsConfig
 from tasks.config.verify import VerifyConfig
 from tasks.environments.runner import EpisodeRunner
-from tasks.environments.session import open_session
 from tasks.environments.tool_pool import ToolPool
 from tasks.environments.tools import Tool
 from tasks.environments.types import load_environment

@@ -28,6 +28,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 
+from models.engines.sessions import open_session
 from models.engines.types import RolloutEngine, SamplingParams
 from models.prompt import Prompt
 from storage.trajectories import TrajectoryRow, policy_token_count
@@ -36,7 +37,6 @@ from tasks.config.filter import FilterConfig
 from tasks.config.prompts import PromptsConfig
 from tasks.config.rollout import RolloutConfig
 from tasks.environments.runner import EpisodeRecord, EpisodeRunner, RunnerStats
-from tasks.environments.session import open_session
 from tasks.environments.tool_pool import ToolPool
 from tasks.environments.tools import Tool
 from tasks.environments.types import load_environment

@@ -237,7 +237,10 @@ class EpisodeRunner:
         env = self.make_environment(self.pool)
         first = env.reset(prompt)
         if self._format is None:
-            self._format = EpisodeFormat(self.tokenizer, env.tools)
+            self._format = EpisodeFormat(self.tokenizer, env.tools, env.plain_format)
+            if not self._format.chat:  # the environment's own turn ends (a tool call's closing), once each
+                stop = tuple(dict.fromkeys((*self.sampling.stop, *env.plain_format.stop)))
+                self.sampling = replace(self.sampling, stop=stop)
         text, ids = self._format.prompt(first)
         record = EpisodeRecord(
             episode_id=episode_id,

@@ -86,8 +86,10 @@ BUILTINS: dict[str, BuiltinTask] = {
     ),
     # An agentic task: episodes call a tool (tasks/environments/tooladd.py). The examples are whole episodes
     # (a call, the tool's answer, the sum: 40 tokens at most); a sample that runs on gets room for a second
-    # call within 96 positions. Stopping is judged teacher-forced on examples that mix calls and head-sums,
-    # so the stopping accuracy is below what a base that copies well reaches on the calls alone.
+    # call within 96 positions. Stopping is judged teacher-forced on examples that mix calls and head-sums
+    # (head-sums are never right), so the stopping accuracy is below what the base reaches on the calls alone.
+    # Stopped at 30% it miscopied a quarter of its sampled calls; at 35% the base still calls on about half
+    # its sampled episodes: RL's headroom (docs/performance.md).
     "builtin-tooladd": BuiltinTask(
         base_model="builtin-tooladd",
         source="builtin:tooladd",
@@ -101,7 +103,7 @@ BUILTINS: dict[str, BuiltinTask] = {
             max_position_embeddings=96,
             teacher_forced_checks=True,
             check_every=25,
-            stop_at_accuracy=0.30,
+            stop_at_accuracy=0.35,
         ),
         recipe_version="1",
         policy_name="builtin-tooladd-llama",

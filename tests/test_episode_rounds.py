@@ -247,4 +247,3 @@ def test_an_agentic_round_killed_after_its_rollout_resumes_without_playing_again
     committed = read_table(root, committed_round_version(root, "agent-crash", 1)).to_pylist()
     assert sorted((r["group_id"], r["sample_index"], r["started_at"]) for r in committed) == staged
     assert all(r["turns"] for r in committed)
-

@@ -8,10 +8,11 @@ when its recipe or data change: the cache name changes with it, so no stale base
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
-from models.builtin import addition, longtail
+from models.builtin import addition, longtail, tooladd
 from models.builtin.recipe import RECIPE_VERSION, BaseRecipe
 
 
@@ -25,8 +26,9 @@ class BuiltinTask:
     """Task name on every row; also the verifier's name."""
     data: ModuleType
     """Prompt data: ``prompt_stream(seed)``, ``training_prompts(seed, count)``, ``held_out_prompts()``,
-    ``longest_prompt()``, and ``base_prompt_stream(seed)``, the base recipe's supervised examples (endless:
-    the recipe takes each step's as it goes)."""
+    ``longest_prompt()``, ``base_prompt_stream(seed)``, the base recipe's supervised examples (endless:
+    the recipe takes each step's as it goes), and ``base_validation_prompts(seed, count)``, those it judges its
+    stopping point on."""
     characters: str
     """The character tokenizer's alphabet (after pad/bos/eos/unk)."""
     answer_tokens: int
@@ -35,6 +37,10 @@ class BuiltinTask:
     recipe_version: str
     policy_name: str
     """Name recorded in the base checkpoint's lineage.json."""
+    environment_spans: Callable[[str], list[tuple[int, int]]] | None = None
+    """An agentic task's: the character spans [start, end) of a base example's reference that the environment
+    writes in an episode (a tool's answer). The recipe leaves them out of its loss and its accuracy checks, as RL
+    leaves observations out of its loss. None: the policy writes the whole reference."""
 
     @property
     def cache_name(self) -> str:
@@ -77,6 +83,31 @@ BUILTINS: dict[str, BuiltinTask] = {
         ),
         recipe_version="3",  # v3: examples count down to 24 numbers (longtail.BASE_MAX_SPAN), v2's to 21
         policy_name="builtin-longtail-llama",
+    ),
+    # An agentic task: episodes call a tool (tasks/environments/tooladd.py). The examples are whole episodes
+    # (a call, the tool's answer, the sum: 40 tokens at most); a sample that runs on gets room for a second
+    # call within 96 positions. Stopping is judged teacher-forced on examples that mix calls and head-sums
+    # (head-sums are never right), so the stopping accuracy is below what the base reaches on the calls alone.
+    # Stopped at 30% it miscopied a quarter of its sampled calls; at 35% the base still calls on about half
+    # its sampled episodes: RL's headroom (docs/performance.md).
+    "builtin-tooladd": BuiltinTask(
+        base_model="builtin-tooladd",
+        source="builtin:tooladd",
+        task=tooladd.TASK_NAME,
+        data=tooladd,
+        characters=tooladd.CHARACTERS,
+        answer_tokens=40,
+        recipe=BaseRecipe(
+            batch_size=64,
+            learning_rate=2e-3,
+            max_position_embeddings=96,
+            teacher_forced_checks=True,
+            check_every=25,
+            stop_at_accuracy=0.35,
+        ),
+        recipe_version="1",
+        policy_name="builtin-tooladd-llama",
+        environment_spans=tooladd.observation_spans,
     ),
 }
 BUILTIN_SOURCES: dict[str, BuiltinTask] = {b.source: b for b in BUILTINS.values()}

@@ -56,6 +56,8 @@ def prompt_stream(seed: int) -> Iterator[Prompt]:
 
 base_prompt_stream = prompt_stream
 """The base recipe's supervised examples: the task's own distribution, the draws of ``training_prompts``."""
+base_validation_prompts = training_prompts
+"""The examples the base recipe judges its stopping point on (with another seed than its training examples)."""
 
 
 def longest_prompt() -> Prompt:

@@ -3,7 +3,7 @@
 A deterministic recipe (fixed seeds, fixed thread count, fixed data order) so that every machine
 builds the same starting point, and RL has headroom: the recipe stops at roughly 40% greedy held-out
 accuracy. Which task and recipe: ``models.builtin``. ``python -m models.builtin.base_policy OUT_DIR [BASE]``
-builds one by hand (BASE: 'builtin', the default, or 'builtin-longtail').
+builds one by hand (BASE: 'builtin', the default, 'builtin-longtail' or 'builtin-tooladd').
 
 A base trains on the device it is given (a campaign's ``device``) and is saved from CPU tensors. Built on the
 CPU it is the same bit for bit on every machine; built on a GPU it is a different (equally good) starting
@@ -17,7 +17,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, fields
 
 import torch
@@ -35,6 +35,9 @@ from models.engines.greedy import greedy_completions
 from models.engines.types import RolloutEngine
 from models.logprobs import TokenBatch, pack_sequences
 from models.prompt import Prompt
+
+EnvironmentSpans = Callable[[str], list[tuple[int, int]]]
+"""A reference's character spans that the environment writes (``BuiltinTask.environment_spans``)."""
 
 
 def build_model(recipe: BaseRecipe, vocab_size: int, tokenizer):
@@ -81,13 +84,14 @@ def _build(out_dir: str, recipe: BaseRecipe, progress, start: float, task: Built
     # Drawn as the steps take them: a recipe that stops early (most do) never draws the rest.
     prompts = task.data.base_prompt_stream(seed=recipe.seed)
     # Stopping is judged on training prompts (another seed), so the held-out set stays untouched.
-    validation = task.data.training_prompts(seed=recipe.seed + 1, count=500)
+    validation = task.data.base_validation_prompts(seed=recipe.seed + 1, count=500)
+    spans = task.environment_spans
     engine = EmbeddedEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id)
     steps, val_accuracy = 0, 0.0
     for step in range(recipe.max_steps):
         model.train()
         chunk = list(itertools.islice(prompts, recipe.batch_size))
-        batches = [_answer_batch(tokenizer, part, device) for part in _by_length(chunk, recipe.length_buckets)]
+        batches = [_answer_batch(tokenizer, part, device, spans) for part in _by_length(chunk, recipe.length_buckets)]
         answer_tokens = sum(b.completion_mask.sum() for b in batches)
         optimizer.zero_grad(set_to_none=True)
         loss_value = 0.0
@@ -106,7 +110,7 @@ def _build(out_dir: str, recipe: BaseRecipe, progress, start: float, task: Built
         if steps % recipe.check_every == 0:
             model.eval()
             if recipe.teacher_forced_checks:
-                val_accuracy = teacher_forced_accuracy(model, tokenizer, validation, recipe.length_buckets)
+                val_accuracy = teacher_forced_accuracy(model, tokenizer, validation, recipe.length_buckets, spans)
             else:
                 val_accuracy = greedy_accuracy(engine, tokenizer, validation, task.answer_tokens)
             if progress:
@@ -144,13 +148,21 @@ def _by_length(prompts: list, buckets: int) -> list[list]:
     return [ordered[i : i + size] for i in range(0, len(ordered), size)]
 
 
-def _answer_batch(tokenizer, prompts, device: torch.device) -> TokenBatch:
-    """Prompts followed by their reference answers and end-of-sequence, packed on ``device``."""
+def _answer_batch(tokenizer, prompts, device: torch.device, spans: EnvironmentSpans | None = None) -> TokenBatch:
+    """Prompts followed by their reference answers and end-of-sequence, packed on ``device``. With ``spans``, the
+    tokens of each reference inside them (the environment's, in an episode) are left out of ``completion_mask``."""
     enc_prompts = [tokenizer(p.text)["input_ids"] for p in prompts]
     enc_answers = [
         tokenizer(p.reference, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for p in prompts
     ]
     packed = pack_sequences(enc_prompts, enc_answers, tokenizer.pad_token_id)
+    if spans is not None:
+        width = max(len(e) for e in enc_prompts)  # where every answer starts
+        for row, prompt in enumerate(prompts):
+            offsets = tokenizer(prompt.reference, add_special_tokens=False, return_offsets_mapping=True)
+            for i, (start, end) in enumerate(offsets["offset_mapping"]):
+                if any(start < stop and begin < end for begin, stop in spans(prompt.reference)):
+                    packed.completion_mask[row, width + i - 1] = 0  # the mask's column t is target token t + 1
     return TokenBatch(*(getattr(packed, f.name).to(device) for f in fields(packed)))
 
 
@@ -161,16 +173,18 @@ def _logits(model, batch):
     ).logits  # [B, T, V]
 
 
-def teacher_forced_accuracy(model, tokenizer, prompts, buckets: int = 1) -> float:
+def teacher_forced_accuracy(
+    model, tokenizer, prompts, buckets: int = 1, spans: EnvironmentSpans | None = None
+) -> float:
     """Greedy exact-match accuracy without decoding: greedy decoding writes the reference and stops exactly
     when, fed the reference, the argmax at every answer position (end-of-sequence included) is the next
     reference token. One forward pass instead of up to ``answer_tokens`` decode steps, where wrong
-    samples would run on to the limit."""
+    samples would run on to the limit. Tokens inside ``spans`` are the environment's and not judged."""
     correct = 0
     device = next(model.parameters()).device
     with torch.inference_mode():
         for part in _by_length(prompts, buckets):
-            batch = _answer_batch(tokenizer, part, device)
+            batch = _answer_batch(tokenizer, part, device, spans)
             hits = _logits(model, batch)[:, :-1].argmax(-1) == batch.input_ids[:, 1:]  # [B, T-1]
             correct += int((hits | ~batch.completion_mask.bool()).all(-1).sum())
     return correct / len(prompts)

@@ -111,3 +111,7 @@ def base_prompt_stream(seed: int) -> Iterator[Prompt]:
     """The base recipe's supervised examples, endless: spans 1 to ``BASE_MAX_SPAN`` drawn by
     ``BASE_SPAN_EXPONENT``, never held out."""
     return prompt_stream(seed, _BASE_SPANS, _BASE_SPAN_WEIGHTS)
+
+
+base_validation_prompts = training_prompts
+"""The examples the base recipe judges its stopping point on: the task's own prompts (another seed)."""

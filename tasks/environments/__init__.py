@@ -8,6 +8,7 @@ comes at the end (docs/environments.md).
     rendering.py   EpisodeFormat: the first prompt and each observation as tokens (the policy's stay as sampled)
     runner.py      EpisodeRunner: N episodes against an episode session, budgets, outcomes, engine wait
     calculator.py  the built-in calculator environment
+    tooladd.py     the built-in tooladd environment: a compact call format a character-level policy can learn
 
 Not wired into the rollout stage yet. Nothing is imported here, so importing one module does not start the others.
 """

@@ -7,7 +7,8 @@ With a chat template, an observation is the text the template writes between the
 the start of the next one: the rest of the assistant turn's closing (what follows its end-of-turn token, a newline
 say), the tool turn, and the generation prompt. It is found by rendering a short conversation with and without
 the tool turn and taking the difference, so any template that renders a ``tool`` role works. Without a template,
-an observation is ``OBSERVATION_PLAIN`` around the tool's answer.
+the environment's ``PlainFormat`` says whether the tools are listed before the first prompt and how a tool's answer
+is written (by default, listed, and ``types.OBSERVATION_PLAIN`` around the answer).
 """
 
 from __future__ import annotations
@@ -16,19 +17,19 @@ from collections.abc import Sequence
 from typing import Any
 
 from tasks.environments.tools import Tool, render_with_tools
-from tasks.environments.types import Observation
+from tasks.environments.types import Observation, PlainFormat
 
-OBSERVATION_PLAIN = "\n[tool] {text}\n"
-"""How a tool's answer is shown to a model without a chat template."""
 _MARK = "\x00MARK\x00"  # stands for the policy's turn in the rendered probe; no template writes it
 
 
 class EpisodeFormat:
-    """The chat format of one tokenizer: renders a first prompt and encodes observations."""
+    """The chat format of one tokenizer: renders a first prompt and encodes observations. ``plain``: the
+    environment's format for a tokenizer without a chat template."""
 
-    def __init__(self, tokenizer: Any, tools: Sequence[Tool]) -> None:
+    def __init__(self, tokenizer: Any, tools: Sequence[Tool], plain: PlainFormat | None = None) -> None:
         self.tokenizer = tokenizer
         self.tools = list(tools)
+        self.plain = plain or PlainFormat()
         self.chat = bool(getattr(tokenizer, "chat_template", None))
         if self.chat:
             probe = [{"role": "user", "content": "q"}, {"role": "assistant", "content": _MARK}]
@@ -44,7 +45,8 @@ class EpisodeFormat:
     def prompt(self, first: Observation) -> tuple[str, tuple[int, ...]]:
         """(the text the engine is fed first, its ids): the first observation as the user turn, with the tools."""
         if not self.chat:
-            text = render_with_tools(self.tokenizer, [{"role": "user", "content": first.text}], self.tools)
+            shown = self.tools if self.plain.show_tools else []
+            text = render_with_tools(self.tokenizer, [{"role": "user", "content": first.text}], shown)
             return text, tuple(self.tokenizer(text)["input_ids"])
         messages = [{"role": "user", "content": first.text}]
         if first.system is not None:
@@ -56,7 +58,7 @@ class EpisodeFormat:
         """(text, ids) appended after a policy turn that ended with ``turn_ids`` (``stop``: on an end-of-turn token or
         string, which the policy then wrote itself) so that the policy speaks next."""
         if not self.chat:
-            body = OBSERVATION_PLAIN.format(text=text)
+            body = self.plain.observation.format(text=text)
         else:
             closing = self._closing
             if finish_reason == "stop" and turn_ids:

@@ -35,7 +35,14 @@ from models.prompt import Prompt
 from tasks.config.environment import EpisodeBudget
 from tasks.environments.rendering import EpisodeFormat
 from tasks.environments.tool_pool import ToolPool
-from tasks.environments.types import Environment, EnvironmentFactory, Observation, StepResult, episode_outcome
+from tasks.environments.types import (
+    Environment,
+    EnvironmentFactory,
+    Observation,
+    PlainFormat,
+    StepResult,
+    episode_outcome,
+)
 from tasks.verifiers.outcome import Outcome
 
 Schedule = Literal["overlap", "lockstep", "sequential"]
@@ -173,10 +180,7 @@ class EpisodeRunner:
         self.make_environment = make_environment
         self.pool = pool
         self.budget = budget
-        turn_stops = tuple(s for s in getattr(make_environment, "stop", ()) if s not in sampling.stop)
-        self.sampling = replace(
-            sampling, max_tokens=min(sampling.max_tokens, budget.max_tokens), stop=(*sampling.stop, *turn_stops)
-        )
+        self.sampling = replace(sampling, max_tokens=min(sampling.max_tokens, budget.max_tokens))
         self.schedule = schedule
         self.env_workers = env_workers
         self.max_context = max_context
@@ -301,7 +305,11 @@ class EpisodeRunner:
         env = self.make_environment(self.pool)
         first = env.reset(prompt)
         if self._format is None:
-            self._format = EpisodeFormat(self.tokenizer, env.tools)
+            plain = getattr(env, "plain_format", None) or PlainFormat()  # an environment may leave it out
+            self._format = EpisodeFormat(self.tokenizer, env.tools, plain)
+            if not self._format.chat:  # the environment's own turn ends (a tool call's closing), once each
+                stop = tuple(dict.fromkeys((*self.sampling.stop, *plain.stop)))
+                self.sampling = replace(self.sampling, stop=stop)
         text, ids = self._format.prompt(first)
         record = EpisodeRecord(
             episode_id=episode_id,

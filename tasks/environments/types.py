@@ -23,8 +23,11 @@ from typing import Protocol, runtime_checkable
 
 from models.prompt import Prompt
 from tasks.environments.tool_pool import ToolPool
-from tasks.environments.tools import Tool, ToolCallError, parse_tool_call
+from tasks.environments.tools import Tool, ToolCall, ToolCallError, parse_tool_call
 from tasks.verifiers.outcome import Outcome
+
+OBSERVATION_PLAIN = "\n[tool] {text}\n"
+"""How a tool's answer is shown to a model without a chat template, unless its environment says otherwise."""
 
 
 @dataclass(frozen=True)
@@ -49,13 +52,28 @@ class StepResult:
     """Seconds the step spent in tools (counted against the episode's ``max_tool_seconds``)."""
 
 
+@dataclass(frozen=True)
+class PlainFormat:
+    """How an environment's episodes are written for a model without a chat template (a character-level policy,
+    say, whose alphabet has no room for a tool list or JSON). A model with a chat template reads the template's
+    format and none of this."""
+
+    show_tools: bool = True
+    """List the tools before the first observation (False: the task's text is the whole prompt)."""
+    observation: str = OBSERVATION_PLAIN
+    """A tool's answer as appended after a policy turn (``str.format`` with ``text``)."""
+    stop: tuple[str, ...] = ()
+    """Strings that end a policy turn besides end-of-sequence (the end of a tool call, say): the runner adds them
+    to the episode's stop strings."""
+
+
 @runtime_checkable
 class Environment(Protocol):
     tools: Sequence[Tool]
     """The tools the policy is shown (rendered into its prompt)."""
-    stop: Sequence[str]
-    """Strings that end a policy turn besides the engine's stop tokens (a tool call's closing tag), read from the
-    class (or factory): the runner adds them to every turn's sampling."""
+    plain_format: PlainFormat
+    """How episodes are written for a model without a chat template (optional: ``PlainFormat()``, the tools listed
+    and a tool's answer as ``OBSERVATION_PLAIN``, when an environment leaves it out)."""
 
     def reset(self, prompt: Prompt) -> Observation: ...
 
@@ -89,12 +107,13 @@ def load_environment(spec: str) -> EnvironmentFactory:
 class ToolEnvironment(ABC):
     """An environment whose policy calls tools and then answers: subclasses set ``tool_functions`` and define
     ``reset`` and ``score``. A turn with a tool call runs it in the pool; a turn without one is the final answer.
+    A call is read by ``parse_call`` (the ``<tool_call>`` JSON form unless a subclass reads its own).
 
     A tool that raised is shown to the policy (``Error: ...``) and the episode goes on: its arguments were the
     model's. A tool whose process crashed or hung is an infrastructure failure of the step."""
 
     tool_functions: Sequence[Callable] = ()
-    stop: Sequence[str] = ("</tool_call>",)
+    plain_format: PlainFormat = PlainFormat()
 
     def __init__(self, pool: ToolPool) -> None:
         self.pool = pool
@@ -109,9 +128,14 @@ class ToolEnvironment(ABC):
     def score(self, answer_text: str) -> float | None:
         """The reward of the final answer (a turn without a tool call); None: it cannot be scored."""
 
+    def parse_call(self, action_text: str) -> ToolCall | None:
+        """The tool call in a policy turn, None when the turn is the final answer; raises ``ToolCallError`` for a
+        call that cannot be read (shown to the policy, which may try again)."""
+        return parse_tool_call(action_text)
+
     def step(self, action_text: str, *, timeout_s: float) -> StepResult:
         try:
-            call = parse_tool_call(action_text)
+            call = self.parse_call(action_text)
         except ToolCallError as exc:
             return StepResult(Observation(f"Error: {exc}"), done=False)
         if call is None:

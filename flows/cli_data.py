@@ -238,13 +238,18 @@ def cmd_show(args: argparse.Namespace) -> int:
         f"  finish reasons   {_counts(s['finish_reason'])}",
         f"  completion len   min {lengths['min']}, p50 {lengths['p50']}, p90 {lengths['p90']}, p99 {lengths['p99']}, "
         f"max {lengths['max']}, mean {fmt(lengths['mean'], '.2f')} tokens",
-        f"  policy versions  {', '.join(f'{v} ({n} tokens)' for v, n in s['policy_versions'].items()) or 'none'}",
+        f"  policy versions  {', '.join(_version(v, n) for v, n in s['policy_versions'].items()) or 'none'}",
         f"  derivation       {json.dumps(manifest.derivation, sort_keys=True)}",
         f"  parent chain     {describe_derivation(chain)}",
     ]
     episodes = _episodes(table, args.episodes)
     print("\n".join(lines + episodes))
     return 0
+
+
+def _version(version, tokens: int) -> str:
+    """'3 (120 tokens)'; an episode's observation tokens, which no policy sampled, as 'observations (40 tokens)'."""
+    return f"observations ({tokens} tokens)" if str(version) == "-1" else f"{version} ({tokens} tokens)"
 
 
 def _episodes(table, count: int) -> list[str]:

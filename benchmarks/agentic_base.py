@@ -60,6 +60,28 @@ def figures(records, prompts_by_id) -> dict:
     }
 
 
+def ensure_base(base: str | None, *, progress=print) -> tuple[str, dict]:
+    """The ``builtin-tooladd`` base's directory and its lineage: built there by its recipe when the directory holds
+    no base yet (None: a new temporary directory). Prints what it loaded."""
+    from models.builtin import BUILTINS
+    from models.builtin.base_policy import build_base_policy
+
+    base = base or tempfile.mkdtemp(prefix="tooladd-base-")
+    lineage_path = os.path.join(base, "lineage.json")
+    if not os.path.exists(lineage_path):
+        os.makedirs(base, exist_ok=True)
+        build_base_policy(base, task=BUILTINS["builtin-tooladd"], progress=progress)
+    with open(lineage_path) as f:
+        lineage = json.load(f)
+    if not str(lineage.get("name", "")).startswith("builtin-tooladd"):
+        raise SystemExit(f"{base} holds {lineage.get('name')!r}, not the builtin-tooladd base; pass another --base")
+    progress(
+        f"base: {base}, {lineage['steps']} steps, built in {lineage['build_seconds']} s, "
+        f"validation accuracy {lineage['validation_accuracy']:.1%} (teacher-forced, on the recipe's examples)"
+    )
+    return base, lineage
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base", help="the base policy's directory (built there when missing; default: a temp dir)")
@@ -75,7 +97,6 @@ def main() -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
     from models.builtin import BUILTINS
-    from models.builtin.base_policy import build_base_policy
     from models.checkpoint import load_policy, set_threads
     from models.engines.embedded import EmbeddedEngine
     from models.engines.embedded_episodes import EmbeddedEpisodes
@@ -86,17 +107,7 @@ def main() -> None:
     from tasks.environments.tooladd import TooladdEnvironment
 
     task = BUILTINS["builtin-tooladd"]
-    base = args.base or tempfile.mkdtemp(prefix="tooladd-base-")
-    lineage_path = os.path.join(base, "lineage.json")
-    if not os.path.exists(lineage_path):
-        os.makedirs(base, exist_ok=True)
-        build_base_policy(base, task=task, progress=print)
-    with open(lineage_path) as f:
-        lineage = json.load(f)
-    print(
-        f"base: {base}, {lineage['steps']} steps, built in {lineage['build_seconds']} s, "
-        f"validation accuracy {lineage['validation_accuracy']:.1%} (teacher-forced, on the recipe's examples)"
-    )
+    base, lineage = ensure_base(args.base)
 
     set_threads(task.recipe.threads)
     model, tok = load_policy(base)

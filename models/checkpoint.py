@@ -117,12 +117,18 @@ def load_policy(path: str, dtype: str = "float32", device: torch.device | str = 
     """(model, tokenizer) from a Hugging Face causal-LM directory, in eval mode on ``device`` (the CPU unless
     told: ``models.device.resolve_device`` turns a round's setting into one)."""
     hf_logging.disable_progress_bar()  # per-load bars drown the round's own progress
+    tokenizer = load_tokenizer(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype))
+    return model.to(device).eval(), tokenizer
+
+
+def load_tokenizer(path: str) -> Any:
+    """The tokenizer of a Hugging Face causal-LM directory, with a padding token."""
     check_policy_dir(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token_id is None:  # many causal LMs ship without one; eos is the usual stand-in
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype))
-    return model.to(device).eval(), tokenizer
+    return tokenizer
 
 
 def load_state_dict(path: str, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:

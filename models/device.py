@@ -14,6 +14,7 @@ float32. ``auto`` is bf16 on CUDA and fp32 on the CPU.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import re
 
@@ -73,3 +74,39 @@ def deterministic_kernels() -> None:
     if os.environ.get("RLROUNDS_DETERMINISTIC") == "1":
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
+
+
+def indexed(device: torch.device) -> torch.device:
+    """``device`` with its index: plain 'cuda' is this process's first visible GPU, cuda:0. Ray shows a GPU actor
+    only the GPU it was given (``CUDA_VISIBLE_DEVICES``), as cuda:0; ``torch.cuda.set_device`` and NCCL's
+    communicators want an index, and refuse a device without one."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", 0)
+    return device
+
+
+def engine_dtype(setting: str, on_gpu: bool) -> str:
+    """The precision an engine serves at for a ``rollout.dtype`` or ``evaluate.serving_dtype`` setting: 'auto' is
+    bfloat16 on a GPU (where vLLM's and torch's fast attention kernels run) and float32 on the CPU; any other
+    setting is itself."""
+    if setting == "auto":
+        return "bfloat16" if on_gpu else "float32"
+    return setting
+
+
+def running_sum(values: torch.Tensor) -> torch.Tensor:
+    """``values.cumsum(-1)``, also under ``RLROUNDS_DETERMINISTIC=1`` on a GPU, where torch has no deterministic
+    floating-point cumulative sum and refuses one: it is then taken on the CPU, sequentially, and moved back. Rows
+    of a vocabulary's probabilities are small beside a forward pass; elsewhere nothing changes, bit for bit."""
+    if values.device.type != "cpu" and values.is_floating_point() and torch.are_deterministic_algorithms_enabled():
+        return values.cpu().cumsum(-1).to(values.device)
+    return values.cumsum(-1)
+
+
+def release_cached_memory() -> None:
+    """Return the memory torch's CUDA allocator keeps cached to the GPU (after collecting what nothing holds), so
+    that a vLLM engine starting next finds it free: vLLM sizes itself from the GPU's free memory and refuses to
+    start below ``gpu_memory_utilization`` of it. Nothing to do without CUDA."""
+    if torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.empty_cache()

@@ -18,6 +18,8 @@ import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from models.device import running_sum
+
 
 @dataclass
 class TokenBatch:
@@ -58,7 +60,7 @@ def nucleus_drop(scaled: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
     """
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
     probs = sorted_logits.softmax(-1)
-    before = probs.cumsum(-1) - probs  # mass of strictly more likely tokens
+    before = running_sum(probs) - probs  # mass of strictly more likely tokens
     drop_sorted = before >= top_ps
     return torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
 

@@ -88,10 +88,10 @@ def test_a_validators_own_message_is_not_repeated_with_help(tmp_path):
     assert "\u2014" not in str(err.value)  # "must be non-empty without '/'" already says what to set
 
 
-def test_a_precision_is_one_of_three_choices():
+def test_a_precision_is_one_of_three_choices_or_auto():
     with pytest.raises(ConfigError) as err:
         load_campaign_config(None, round={"rollout": {"dtype": "float8"}})
-    assert "round.rollout.dtype: Input should be 'float32', 'bfloat16' or 'float16'" in str(err.value)
+    assert "round.rollout.dtype: Input should be 'float32', 'bfloat16', 'float16' or 'auto'" in str(err.value)
 
 
 def test_help_reaches_nested_and_optional_models():

@@ -92,3 +92,67 @@ def test_a_cpu_copy_of_the_state_keeps_tied_weights_tied(tmp_path):
     direct, copied = (load_file(tmp_path / name / "model.safetensors") for name in ("direct", "copied"))
     assert direct.keys() == copied.keys() and "lm_head.weight" not in copied
     assert all(torch.equal(direct[k], copied[k]) for k in direct)
+
+
+@pytest.mark.parametrize(
+    "given, expected",
+    [
+        ("cuda", "cuda:0"),  # a Ray GPU actor's plain 'cuda': the one GPU it sees
+        ("cuda:1", "cuda:1"),  # an index given stays
+        ("cpu", "cpu"),  # the CPU has none to add
+    ],
+)
+def test_a_trainer_worker_device_has_an_index(given, expected):
+    """torch.cuda.set_device and NCCL refuse a CUDA device without an index; torch's own check runs here without a
+    GPU: it refuses plain 'cuda' and accepts what a worker resolves it to."""
+    from torch._utils import _get_device_index
+
+    from models.device import indexed
+
+    device = indexed(torch.device(given))
+    assert device == torch.device(expected)
+    if device.type == "cuda":
+        assert _get_device_index(device, optional=False) == device.index
+        with pytest.raises(ValueError, match="specified index"):
+            _get_device_index(torch.device(given.split(":")[0]), optional=False)
+
+
+@pytest.mark.parametrize(
+    "setting, on_gpu, expected",
+    [
+        ("auto", True, "bfloat16"),  # a GPU engine: FlashAttention needs a 16-bit dtype
+        ("auto", False, "float32"),  # the CPU: float32, as before
+        ("float32", True, "float32"),  # a precision asked for is kept
+        ("float16", False, "float16"),
+    ],
+)
+def test_engine_dtype_auto(setting, on_gpu, expected):
+    from models.device import engine_dtype
+
+    assert engine_dtype(setting, on_gpu) == expected
+
+
+def test_the_nucleus_is_the_same_with_deterministic_algorithms_on():
+    """top_p < 1 under RLROUNDS_DETERMINISTIC=1: the nucleus is computed (on CUDA its floating cumulative sum is
+    taken on the CPU, where torch has a deterministic one) and is the one chosen without the setting, bit for bit."""
+    from models.device import running_sum
+    from models.logprobs import nucleus_drop
+
+    torch.manual_seed(0)
+    logits = torch.randn(4, 3, 97) * 3  # [B, T, V]
+    top_ps = torch.tensor([0.5, 0.9, 0.99, 1.0]).view(4, 1, 1)
+    plain = nucleus_drop(logits, top_ps)
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert torch.equal(nucleus_drop(logits, top_ps), plain)
+        probs = logits.softmax(-1)
+        assert torch.equal(running_sum(probs), probs.cumsum(-1))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert plain.any() and not plain[3].any()  # a nucleus drops tokens; top_p 1 drops none
+
+
+def test_no_cached_gpu_memory_to_release_without_cuda():
+    from models.device import release_cached_memory
+
+    release_cached_memory()  # a no-op here; on a GPU it empties torch's cache before a vLLM engine starts

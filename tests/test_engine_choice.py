@@ -125,6 +125,68 @@ def test_offered_weights_are_handed_out_once_and_only_for_their_checkpoint():
     assert engines.take_offered("root/ckpt-r3") is None
 
 
+@pytest.mark.parametrize(
+    "trainer, replicas, shared",
+    [
+        (["GPU-a"], [["GPU-b"], ["GPU-c"]], False),  # the trainer's GPU kept out of the replicas': NCCL push
+        (["GPU-a"], [["GPU-a"], ["GPU-b"]], True),  # Ray gave replica 0 the trainer's GPU: reload the checkpoint
+        (["GPU-a"], [["GPU-b", "GPU-a"]], True),  # a tensor-parallel replica seeing it among others
+        (["GPU-a"], [[], []], False),  # replicas on CPUs see no GPU
+    ],
+)
+def test_weights_go_over_nccl_only_from_a_gpu_no_replica_holds(trainer, replicas, shared):
+    from models.engines.replicas import shares_a_gpu
+
+    assert shares_a_gpu(trainer, replicas) is shared
+
+
+def test_overlap_mode_publish_releases_the_offered_weights(monkeypatch, tmp_path):
+    """Overlap mode: publish does not load the engine (the running rollout reads the checkpoint), and the trainer's
+    offered weights are dropped there, not kept until the next round's offer."""
+    from tasks.config.publish import PublishConfig
+    from tasks.publish import stage
+    from tasks.round.context import RoundContext
+    from tasks.serving.live import LiveEngines
+
+    class Registry:
+        def log_dataset(self, *args):
+            pass
+
+        def register(self, *args):
+            return "1"
+
+    monkeypatch.setattr(stage.Tracker, "connect", classmethod(lambda cls, *args: Registry()))
+    monkeypatch.setattr(stage.checkpoints, "read_lineage", lambda root, uri: {})
+    ctx = RoundContext(
+        storage=str(tmp_path), run_id="r", round=1, experiment="e", parent_checkpoint="p", parent_policy_version=0,
+        parent_model_version="none", base_model="tiny", config_hash="h", code_version="test", flow_run_id="none",
+        mlflow_run_id="m", seed=0,
+    )  # fmt: skip
+    with LiveEngines() as engines:
+        engines.offer_weights("root/ckpt-r1", {"w": object()})
+        stage.run_publish(
+            ctx=ctx, config=PublishConfig(model_name="m", line="l"), checkpoint="root/ckpt-r1",
+            trajectory_version="v", trajectory_uri="u", committed_at=None, engine="vllm", engine_dtype="bfloat16",
+            max_batch=8, engines=engines, load_engine=False,
+        )  # fmt: skip
+        assert engines.take_offered("root/ckpt-r1") is None, "the offer outlived its publish"
+
+
+def test_a_vllm_engine_starts_on_released_gpu_memory(monkeypatch, tiny_policy_dir):
+    """Before a vLLM engine is built (a second one, or one replacing another), torch's cached GPU memory is
+    returned; an embedded engine needs no room made for it."""
+    from tasks.serving import live
+
+    released: list[str] = []
+    monkeypatch.setattr(live, "release_cached_memory", lambda: released.append("released"))
+    monkeypatch.setattr(live, "make_engine", lambda *a, **k: (_Receiver(False), None))
+    with live.LiveEngines() as engines:
+        engines.serve("embedded", tiny_policy_dir, dtype="float32", policy_version=0)
+        assert released == []
+        engines.serve("vllm", tiny_policy_dir, dtype="float32", policy_version=0, role="evaluate")
+        assert released == ["released"]
+
+
 class _Receiver:
     """An engine that takes weights from memory, recording how each version arrived."""
 

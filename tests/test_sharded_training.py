@@ -46,7 +46,9 @@ def step_config(**train):
     return TrainConfig(**{**defaults, **train})
 
 
-def one_process(parent: str, rows: list[dict], config, out: str, device: str = "cpu") -> tuple[dict, dict]:
+def one_process(
+    parent: str, rows: list[dict], config, out: str, device: str = "cpu", reference: str | None = None
+) -> tuple[dict, dict]:
     """Train in this process as a one-worker round does; save into ``out``; (stats, resident bytes)."""
     from models.checkpoint import load_policy, save_policy
     from models.device import resolve_device, resolve_precision
@@ -68,6 +70,7 @@ def one_process(parent: str, rows: list[dict], config, out: str, device: str = "
         optimizer=state,
         current_version=0,
         recompute=plan,
+        ref_model=load_policy(reference)[0] if reference else None,
         device=placed,
         precision=resolve_precision(config.precision, placed),
     )
@@ -77,7 +80,9 @@ def one_process(parent: str, rows: list[dict], config, out: str, device: str = "
     return stats, memory
 
 
-def two_workers(parent: str, rows: list[dict], config, out: str, device: str = "cpu") -> list:
+def two_workers(
+    parent: str, rows: list[dict], config, out: str, device: str = "cpu", reference: str | None = None
+) -> list:
     from tasks.train.policy_update import minibatches, sharded_minibatches
     from tasks.train.worker_group import TrainJob, train_in_processes, write_files
 
@@ -89,6 +94,7 @@ def two_workers(parent: str, rows: list[dict], config, out: str, device: str = "
         shares,
         TrainJob(shares=[], config=config, temperature=1.0, current_version=0, recompute=[True] * steps),
         device,
+        reference,
     )
     write_files(out, {name: data for r in results for name, data in r.files.items()})
     return results
@@ -164,3 +170,93 @@ def test_checkpoints_continue_across_worker_counts(tiny_policy_dir, tmp_path):
     for name in ("two -> one", "one -> two", "two -> two"):
         worst, _ = weight_gap(str(tmp_path / "one -> one"), str(tmp_path / name))
         assert worst < 1e-5, f"{name}: {worst:.2e} from one process's two rounds"
+
+
+def test_the_reference_is_sharded_and_built_only_for_a_kl_term(tiny_policy_dir, tmp_path):
+    """kl_coef > 0: each worker holds about half of the reference model (sharded as the policy is) and the update
+    lands within 1e-5 of one process's with its whole reference; kl_coef 0: no worker builds a reference, even when
+    one is handed over. Either way no worker read a tensor larger than the largest parameter (the model is built on
+    the meta device and filled one tensor at a time)."""
+    from models.checkpoint import load_policy
+
+    model, tokenizer = load_policy(tiny_policy_dir)
+    whole = sum(p.numel() * p.element_size() for p in model.parameters())
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
+    rows = synthetic_rows(tokenizer)
+    anchored = step_config(kl_coef=0.1)
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    stats, _ = one_process(tiny_policy_dir, rows, anchored, one, reference=tiny_policy_dir)
+    results = two_workers(tiny_policy_dir, rows, anchored, two, reference=tiny_policy_dir)
+    worst, _ = weight_gap(one, two)
+    assert worst < 1e-5, f"2 workers with a sharded reference moved the weights {worst:.2e} from one process's"
+    assert results[0].stats["train/kl"] == pytest.approx(stats["train/kl"], rel=1e-4, abs=1e-7)
+    for r in results:
+        assert r.reference_bytes is not None and r.reference_bytes <= 0.6 * whole, (r.rank, r.reference_bytes, whole)
+        assert 0 < r.largest_read_bytes <= largest, (r.rank, r.largest_read_bytes, largest)
+
+    free = two_workers(tiny_policy_dir, rows, step_config(kl_coef=0.0), str(tmp_path / "free"), reference=one)
+    assert [r.reference_bytes for r in free] == [None, None], "kl_coef 0 builds no reference model"
+
+
+def _load_both_ways(rank: int, path: str, address: str, out: str) -> None:
+    import pickle
+
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from models.checkpoint import load_policy
+    from models.sharded import empty_policy, full_weights, load_shards, shard_policy
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://{address}", rank=rank, world_size=2)
+    try:
+        loaded = shard_policy(load_policy(path)[0])
+        built = shard_policy(empty_policy(path))
+        load_shards(built, path, torch.device("cpu"))
+        local = {n: (isinstance(p, DTensor), p.to_local().numel(), p.numel()) for n, p in built.named_parameters()}
+        tied = built.lm_head.weight is built.model.embed_tokens.weight
+        ids = torch.tensor([[1, 5, 7, 9, 3, 4]])
+        logits = [m(input_ids=ids).logits.detach() for m in (loaded, built)]
+        weights = [full_weights(m) for m in (loaded, built)]
+    finally:
+        dist.destroy_process_group()
+    with open(f"{out}/{rank}.pkl", "wb") as f:
+        pickle.dump({"local": local, "tied": tied, "logits": logits, "weights": weights}, f)
+
+
+def test_a_policy_built_on_meta_and_filled_by_shard_is_the_loaded_one(tmp_path):
+    """A tied-embedding policy (as Qwen2.5-0.5B) built on the meta device, sharded, then filled from the checkpoint
+    a tensor at a time: every parameter a DTensor whose local shard is half of it or less, the head still tied to
+    the embedding, and the same weights and logits, bit for bit, as loading it whole and sharding it."""
+    import pickle
+    import socket
+
+    import torch.multiprocessing as mp
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from models.builtin.tokenizer import build_char_tokenizer
+    from models.checkpoint import save_policy
+
+    torch.manual_seed(0)
+    tokenizer = build_char_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    path = str(tmp_path / "tied")
+    save_policy(LlamaForCausalLM(config), tokenizer, path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    mp.spawn(_load_both_ways, args=(path, address, str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        with open(tmp_path / f"{rank}.pkl", "rb") as f:
+            seen = pickle.load(f)
+        assert seen["tied"], "the output head is the embedding again after loading"
+        for name, (sharded, local, full) in seen["local"].items():
+            assert sharded and local <= (full + 1) // 2, (rank, name, local, full)
+        assert torch.equal(*seen["logits"]), "the filled policy scores as the loaded one"
+        if rank == 0:  # the gathered weights
+            loaded, built = seen["weights"]
+            assert loaded.keys() == built.keys() and all(torch.equal(loaded[k], built[k]) for k in loaded)

@@ -29,7 +29,8 @@ trainer's tensors on its GPU, is rank 0 of one NCCL group with every replica's w
 tensor-parallel workers after those of replicas before it), set up at the first push by vLLM's trainer
 engine (``NCCLTrainerWeightTransferEngine``: a ``StatelessProcessGroup`` rendezvous on a free port of this
 node, then a ``PyNcclCommunicator``), and each update is one broadcast per tensor, received by all
-replicas at once. The trainer's GPU must be one no replica holds (NCCL refuses two ranks on one GPU).
+replicas at once. NCCL refuses two ranks on one GPU: when a replica sees the trainer's GPU (compared by UUID),
+the replicas read the checkpoint instead.
 """
 
 from __future__ import annotations
@@ -125,6 +126,10 @@ class EngineReplica:
         engine = self.engine
         return engine.tensor_parallel_size if isinstance(engine, VLLMEngine) and engine.transfer == "nccl" else 0
 
+    def gpu_uuids(self) -> list[str]:
+        """The GPUs this replica sees (``gpu_uuids``)."""
+        return gpu_uuids()
+
     def weight_sync(self, call: str, payload: dict | None = None) -> None:
         assert isinstance(self.engine, VLLMEngine), "weight_sync is asked only of replicas with nccl_workers"
         self.engine.weight_sync(call, payload)
@@ -217,6 +222,21 @@ def rank_offsets(workers: list[int]) -> list[int]:
     return offsets
 
 
+def gpu_uuids() -> list[str]:
+    """The UUIDs of the GPUs this process sees (none without CUDA): the same GPU has the same UUID in every
+    process, whatever index ``CUDA_VISIBLE_DEVICES`` gives it there."""
+    if not torch.cuda.is_available():
+        return []
+    return [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
+
+
+def shares_a_gpu(trainer: list[str], replicas: list[list[str]]) -> bool:
+    """Whether the trainer's GPU is one a replica sees. Ray hands its GPUs out from the first, and from Ray 2.60 an
+    actor without GPUs keeps the ``CUDA_VISIBLE_DEVICES`` of its node, so a replica can hold the GPU this process
+    trains on; NCCL refuses two ranks of one group on one GPU, so the weights then go through the checkpoint."""
+    return bool(set(trainer) & {uuid for seen in replicas for uuid in seen})
+
+
 def replica_for(prompt_token_ids: tuple[int, ...], replicas: int) -> int:
     """Stable prompt -> replica assignment (Python's hash() is salted per process; this is not)."""
     digest = hashlib.blake2b(repr(tuple(prompt_token_ids)).encode(), digest_size=8).digest()
@@ -246,6 +266,7 @@ class ReplicaRouter(RolloutEngine):
         self.policy_version: int = described[0][1]
         self.routed = [0] * len(actors)  # groups sent to each replica (over this router's life)
         self._nccl_workers: list[int] | None = None  # per replica, asked once (weights_from_memory)
+        self._replica_gpus: list[list[str]] | None = None  # the GPUs each replica sees, asked once
         self._source = StateSource()  # what push_weights sends: the latest weights handed to it
         self._sender: Any = None  # vLLM's NCCL trainer engine, made at the first push
         self._client: ReplicaSyncClient | None = None
@@ -362,14 +383,18 @@ class ReplicaRouter(RolloutEngine):
 
     @property
     def weights_from_memory(self) -> bool:
-        """True when every replica is a vLLM engine on GPUs and this process has a GPU to send from."""
-        if self._nccl_workers is None:
-            import ray  # Ray only where engines or verifiers run on it: importing it takes seconds
+        """True when every replica is a vLLM engine on GPUs and this process has a GPU to send from that no replica
+        holds (``shares_a_gpu``); else new weights are read from the checkpoint."""
+        import ray  # Ray only where engines or verifiers run on it: importing it takes seconds
 
+        if self._nccl_workers is None:
             self._nccl_workers = ray.get([a.nccl_workers.remote() for a in self.actors])
-        if not all(self._nccl_workers):
+        if not all(self._nccl_workers) or not torch.cuda.is_available():
             return False
-        return torch.cuda.is_available()
+        if self._replica_gpus is None:
+            self._replica_gpus = ray.get([a.gpu_uuids.remote() for a in self.actors])
+        trainer = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+        return not shares_a_gpu([trainer], self._replica_gpus)
 
     def push_weights(self, weights: Mapping[str, torch.Tensor], policy_version: int) -> float:
         """Broadcast ``weights`` (names -> this process's CUDA tensors, all on one GPU, unchanged until

@@ -17,8 +17,9 @@ from pydantic_core import to_jsonable_python
 
 T = TypeVar("T")
 
-Dtype = Literal["float32", "bfloat16", "float16"]
-"""A precision an engine runs at: a choice in the UI's forms, and pydantic names the allowed values."""
+Dtype = Literal["float32", "bfloat16", "float16", "auto"]
+"""A precision an engine runs at: a choice in the UI's forms, and pydantic names the allowed values. 'auto':
+bfloat16 where the engine serves on a GPU, float32 on the CPU (``models.device.engine_dtype``)."""
 
 
 @dataclass(frozen=True)

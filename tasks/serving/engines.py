@@ -30,10 +30,11 @@ from models.engines.types import RolloutEngine, UpdateKV
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+import torch
 from transformers import AutoTokenizer
 
 from models.checkpoint import check_policy_dir, load_policy, stop_token_ids
-from models.device import resolve_device
+from models.device import engine_dtype, resolve_device
 from models.engines.embedded import EmbeddedEngine
 from models.engines.replicas import ReplicaRouter
 from models.engines.vllm_engine import VLLMEngine
@@ -109,6 +110,14 @@ def build_engine(
     raise ValueError(f"unknown engine {kind!r}; use one of: {', '.join(ENGINES)}")
 
 
+def served_on_gpu(kind: str, placed: str) -> bool:
+    """Whether an engine of ``kind`` serves on a GPU: an embedded one on its resolved device, a vLLM one wherever
+    vLLM places itself (a GPU whenever this process sees one; its CPU build otherwise)."""
+    if kind == "vllm":
+        return torch.cuda.is_available()
+    return placed.startswith("cuda")
+
+
 def make_engine(
     kind: str,
     local_dir: str,
@@ -123,6 +132,7 @@ def make_engine(
     """A fresh engine (or replica set) over a local checkpoint directory, and its tokenizer."""
     if kind not in ENGINES:
         raise ValueError(f"unknown engine {kind!r}; use one of: {', '.join(ENGINES)}")
+    dtype = engine_dtype(dtype, on_gpu=served_on_gpu(kind, str(resolve_device(device))))
     tokenizer = load_tokenizer(local_dir)
     if not placement.uses_ray:
         engine = build_engine(

@@ -29,9 +29,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from models.device import resolve_device
+from models.device import engine_dtype, release_cached_memory, resolve_device
 from models.engines.types import RolloutEngine, UpdateKV, WeightReceiver
-from tasks.serving.engines import Placement, make_engine
+from tasks.serving.engines import Placement, make_engine, served_on_gpu
 
 if TYPE_CHECKING:
     import torch
@@ -120,6 +120,7 @@ class LiveEngines:
         if role not in ROLES:
             raise ValueError(f"unknown engine role {role!r}; use one of: {', '.join(ROLES)}")
         placed = str(resolve_device(device))  # 'auto' and 'cuda' name one engine: the device they resolve to
+        dtype = engine_dtype(dtype, on_gpu=served_on_gpu(kind, placed))  # 'auto' names one engine too
         key = (role, kind, dtype, placed, model_shape(local_dir))  # another architecture needs its own engine
         with self._lock:
             if self._closed:
@@ -130,6 +131,8 @@ class LiveEngines:
                 entry = None
             if entry is None:
                 where = placement or Placement()
+                if kind == "vllm":  # an engine closed above, or a trainer's freed tensors: vLLM sizes from free memory
+                    release_cached_memory()
                 engine, tokenizer = make_engine(
                     kind,
                     local_dir,

@@ -269,8 +269,9 @@ def part_step(
     drift = (((log_ratio.exp() - 1 - log_ratio) * mask).sum(), mask.sum())
     ref = None
     if ref_model is not None and config.kl_coef > 0:
+        budget = None if collective.world > 1 else COMPLETION_PADDING_BUDGET  # a sharded reference: one chunk, as above
         with torch.no_grad(), forward():
-            ref = completion_logprobs(ref_model, tokens, temperature, part.top_p)
+            ref = completion_logprobs(ref_model, tokens, temperature, part.top_p, padding_budget=budget)
     # Engine vs trainer at the weights that sampled: every minibatch's proximal logprobs where they
     # were recomputed, else the first minibatch before any update (the others are scored k updates
     # past those weights). The round's own drift, trainer now against the sampling weights, is kept
@@ -385,7 +386,8 @@ def needs_proximal(
     """
     if setting != "auto":
         return setting == "always"
-    if stale_tokens or rollout_dtype != "float32" or any(p < 1.0 for p in top_ps):
+    # 'auto' (models.device.engine_dtype) leaves the precision to the engine, whose rows record the one it served at
+    if stale_tokens or rollout_dtype not in ("float32", "auto") or any(p < 1.0 for p in top_ps):
         return True
     return any(
         (e or {}).get("name", "embedded") != "embedded" or (e or {}).get("dtype", "float32") != "float32"

@@ -34,15 +34,18 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from models.checkpoint import load_policy, save_policy, set_threads
-from models.device import deterministic_kernels, distributed_backend, resolve_device, resolve_precision
+from models.checkpoint import load_policy, load_tokenizer, save_policy, set_threads
+from models.device import deterministic_kernels, distributed_backend, indexed, resolve_device, resolve_precision
 from models.memory import ADAPTER_DIR, add_adapters, merged_policy, save_adapters, trainable_parameters
 from models.sharded import (
     OPTIMIZER_DIR,
     OPTIMIZER_FILE,
+    adapters_on_meta,
+    empty_policy,
     full_weights,
     load_optimizer_shards,
     load_plain_optimizer,
+    load_shards,
     resident_bytes,
     save_optimizer_shards,
     shard_policy,
@@ -79,6 +82,8 @@ class WorkerResult:
     stats: dict  # the round's figures (the same on every rank)
     memory: dict[str, int]  # this rank's resident parameter / gradient / optimizer-state bytes
     files: dict[str, bytes] = field(default_factory=dict)  # what this rank wrote of the checkpoint
+    largest_read_bytes: int = 0  # the largest whole tensor it read while loading (its peak beyond its shards)
+    reference_bytes: int | None = None  # its shards of the KL reference model; None: no reference was built
 
 
 class GroupCollective(Collective):
@@ -109,7 +114,7 @@ class TrainWorker:
     plain object in a process of its own (the tests)."""
 
     def __init__(self, device: str = "cpu"):
-        self.device = resolve_device(device)
+        self.device = indexed(resolve_device(device))  # a Ray GPU actor is given plain 'cuda': its cuda:0
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         deterministic_kernels()
@@ -141,16 +146,19 @@ class TrainWorker:
         checkpoint (rank 0: the Hugging Face directory and the optimizer metadata; every rank: its shard)."""
         assert self.collective is not None, "join the group first"
         rank, device = self.collective.rank, self.device
+        precision = resolve_precision(job.config.precision, device)
         with tempfile.TemporaryDirectory(prefix="rlrounds-worker-") as tmp:
             parent_dir = write_files(os.path.join(tmp, "parent"), parent)
-            model, tokenizer = load_policy(parent_dir, device=device)
-            lora, adapted = job.config.lora, None
+            tokenizer = load_tokenizer(parent_dir)
+            # built on the meta device, sharded, then filled a tensor at a time: no rank holds the whole model
+            model, lora, adapted, start = empty_policy(parent_dir), job.config.lora, None, None
             if lora is not None:  # fresh adapters each round (the same draw on every rank), as in one process
-                adapted = add_adapters(
+                adapted, start = adapters_on_meta(
                     model, rank=lora.rank, alpha=lora.alpha, target_modules=lora.target_modules, seed=job.config.seed
                 )
                 model = adapted.get_base_model()
-            shard_policy(model)
+            shard_policy(model, precision)
+            largest = load_shards(model, parent_dir, device, start)
             optimizer = torch.optim.AdamW(trainable_parameters(model), lr=job.config.learning_rate)
             if adapted is not None:
                 pass  # the parent's optimizer state is not the new adapters'
@@ -161,8 +169,10 @@ class TrainWorker:
                 load_plain_optimizer(model, optimizer, plain)
             schedule(optimizer, job.config)
             ref_model = None
-            if reference is not None:  # the KL anchor, whole on every rank (it takes no gradient)
-                ref_model = load_policy(write_files(os.path.join(tmp, "reference"), reference), device=device)[0]
+            if reference is not None and job.config.kl_coef > 0:  # the KL anchor, sharded as the policy is
+                reference_dir = write_files(os.path.join(tmp, "reference"), reference)
+                ref_model = shard_policy(empty_policy(reference_dir), precision)
+                largest = max(largest, load_shards(ref_model, reference_dir, device))
             optimizer, stats = train_policy(
                 model,
                 tokenizer.pad_token_id,
@@ -174,7 +184,7 @@ class TrainWorker:
                 recompute=job.recompute,
                 ref_model=ref_model,
                 device=device,
-                precision=resolve_precision(job.config.precision, device),
+                precision=precision,
                 collective=self.collective,
             )
             memory = resident_bytes(model, optimizer)
@@ -194,7 +204,8 @@ class TrainWorker:
                     save_adapters(whole, kept)
                     whole = merged_policy(whole)
                 save_policy(whole, tokenizer, out)
-            return WorkerResult(rank, stats, memory, read_files(out))
+            reference_bytes = None if ref_model is None else resident_bytes(ref_model)["parameters"]
+            return WorkerResult(rank, stats, memory, read_files(out), largest, reference_bytes)
 
     def leave(self) -> None:
         if dist.is_initialized():
@@ -202,17 +213,23 @@ class TrainWorker:
 
 
 def train_in_processes(
-    world: int, parent_dir: str, shares: list[list[TrainBatch]], job: TrainJob, device: str = "cpu"
+    world: int,
+    parent_dir: str,
+    shares: list[list[TrainBatch]],
+    job: TrainJob,
+    device: str = "cpu",
+    reference_dir: str | None = None,
 ) -> list[WorkerResult]:
     """A group of ``world`` workers as processes of this machine, without Ray: on its CPUs (gloo), or with
     ``device`` 'cuda' on its first ``world`` GPUs (NCCL). Each rank's ``WorkerResult`` after training its
-    ``shares`` from ``parent_dir``. For tests and benchmarks; campaigns use ``WorkerGroup``."""
+    ``shares`` from ``parent_dir`` (with ``reference_dir`` as the KL reference). For tests and benchmarks;
+    campaigns use ``WorkerGroup``."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{s.getsockname()[1]}"
     with tempfile.TemporaryDirectory(prefix="rlrounds-group-") as out:
-        parent = read_files(parent_dir)
-        args = (world, address, parent, shares, job, out, device)
+        parent, reference = read_files(parent_dir), read_files(reference_dir) if reference_dir else None
+        args = (world, address, parent, shares, job, out, device, reference)
         mp.spawn(_process_worker, args=args, nprocs=world, join=True)
         results = []
         for rank in range(world):
@@ -222,13 +239,21 @@ def train_in_processes(
 
 
 def _process_worker(
-    rank: int, world: int, address: str, parent: dict, shares: list, job: TrainJob, out: str, device: str
+    rank: int,
+    world: int,
+    address: str,
+    parent: dict,
+    shares: list,
+    job: TrainJob,
+    out: str,
+    device: str,
+    reference: dict | None,
 ) -> None:
     set_threads(max(1, (os.cpu_count() or 1) // world))  # the machine's cores shared out, as Ray shares them
     worker = TrainWorker(f"cuda:{rank}" if device == "cuda" else "cpu")
     worker.join(rank, world, address, timeout_s=COLLECTIVE_TIMEOUT_S)
     try:
-        result = worker.train(parent, dataclasses.replace(job, shares=shares[rank]))
+        result = worker.train(parent, dataclasses.replace(job, shares=shares[rank]), reference)
     finally:
         worker.leave()
     with open(os.path.join(out, f"{rank}.pkl"), "wb") as f:

@@ -11,7 +11,9 @@ as the campaign reports it, on ``--device`` (round.device; default: the config's
   >= --target, and the same with the time outside rounds (start-up: Prefect, MLflow, base build or
   load, round 0's evaluation) added;
 - updates to target (optimizer steps), final accuracy after the campaign's rounds;
-- generated vs kept groups, and the mean seconds per round of every stage (MLflow ``time/*``).
+- generated vs kept groups (over the campaign, up to the target, and per round), and the mean seconds per
+  round of every stage (MLflow ``time/*``) with the train stage's own split: the update (scoring and
+  optimizer steps, ``train/update_s``) against loading, saving and committing the checkpoint.
 
 Measure on an otherwise idle machine, at normal priority: under a real-time policy (``chrt -f``) the
 rollout's thread keeps both cores and the verifier threads starve, so verdicts lag generation and the
@@ -78,6 +80,16 @@ def run_campaign(config, storage: str, target: float, label: str) -> dict:
         "outside_rounds_s": outside,
         "generated_groups": sum(m.get("rollout/groups", 0.0) for m in metrics),
         "kept_groups": sum(m.get("filter/kept_groups", 0.0) for m in metrics),
+        "generated_groups_to_target": None
+        if reached is None
+        else sum(m.get("rollout/groups", 0.0) for m in metrics[: reached + 1]),
+        "kept_groups_to_target": None
+        if reached is None
+        else sum(m.get("filter/kept_groups", 0.0) for m in metrics[: reached + 1]),
+        "generated_per_kept_by_round": [
+            m.get("rollout/groups", 0.0) / max(m.get("filter/kept_groups", 0.0), 1.0) for m in metrics
+        ],
+        "train_update_s": statistics.fmean(m.get("train/update_s", 0.0) for m in metrics) if metrics else 0.0,
         "stage_seconds": {
             k.removeprefix("time/"): statistics.fmean(m.get(k, 0.0) for m in metrics) for k in stage_keys
         },
@@ -109,7 +121,24 @@ def show(f: dict) -> None:
         for name, sec in stages.items()
         if name != "round_s"
     )
-    print(f"[{f['label']}] mean round {stages.get('round_s', 0.0):.2f} s: {split}", flush=True)
+    print(f"[{f['label']}] mean round {stages.get('round_s', 0.0):.2f} s: {split}")
+    if f["generated_groups_to_target"] is not None:
+        print(
+            f"[{f['label']}] up to the target: groups generated {f['generated_groups_to_target']:.0f}, "
+            f"kept {f['kept_groups_to_target']:.0f}"
+        )
+    print(
+        f"[{f['label']}] generated per kept, by round: "
+        + " ".join(f"{x:.2f}" for x in f["generated_per_kept_by_round"])
+    )
+    train = stages.get("train_s", 0.0)
+    if train:
+        update = f["train_update_s"]
+        print(
+            f"[{f['label']}] train stage {train:.2f} s: update {update:.2f} s ({update / train:.0%}), "
+            f"load/save/commit {train - update:.2f} s",
+            flush=True,
+        )
 
 
 def main() -> None:

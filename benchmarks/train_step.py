@@ -4,6 +4,7 @@ chunks of similar length, measured in one run.
 
     python benchmarks/train_step.py --storage DIR [--groups 128] [--samples 4] [--repeats 5] [--json PATH]
     python benchmarks/train_step.py --storage DIR --run-id RUN --round K [--repeats 5] [--json PATH]
+    python benchmarks/train_step.py --storage DIR --run-id RUN --round K --policy-update [--profile] [--repeats 3]
 
 DIR is a storage root; the built-in base is built there on first use and reused after. A minibatch
 is sampled by the embedded engine from the base (``--groups`` prompts x ``--samples`` samples, by
@@ -16,6 +17,13 @@ logprobs to float rounding (tests/test_shared_prompts.py), so a ratio is the who
 Last, the training scoring runs ``--repeats`` times more after ``torch.set_num_threads`` is called with
 the count already in use, and its wall and system seconds are compared with the same scoring's before
 (``torch.set_num_threads`` cannot be undone in a process, so this comes last).
+
+``--policy-update`` times the whole update of round K instead, as the train stage runs it
+(``train_policy`` on its minibatches from the parent checkpoint and its optimizer state, the default
+``TrainConfig``; ``--precision bf16``: under bf16 autocast): the median seconds of ``--repeats``, then
+one profiled repeat's operator time and the share of it in matrix products, attention's softmax,
+autograd's backward nodes and the optimizer's step (the rest: elementwise ops, copies, gathers).
+``--profile`` prints torch.profiler's table of the operators taking the most time.
 """
 
 from __future__ import annotations
@@ -37,10 +45,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--run-id", help="score the kept rows of this campaign's round --round")
     parser.add_argument("--round", type=int, help="with --run-id: the round whose rows are scored")
+    parser.add_argument("--policy-update", action="store_true", help="time round --round's whole update")
+    parser.add_argument("--profile", action="store_true", help="with --policy-update: torch.profiler's table")
+    parser.add_argument("--precision", default="fp32", help="with --policy-update: fp32, or bf16 autocast")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
     if (args.run_id is None) != (args.round is None):
         parser.error("--run-id and --round go together")
+    if args.policy_update:
+        if args.run_id is None:
+            parser.error("--policy-update needs --run-id and --round")
+        return policy_update(args)
 
     from models.checkpoint import load_policy
     from models.engines.embedded import EmbeddedEngine
@@ -138,6 +153,65 @@ def main() -> None:
         with open(args.json, "w") as f:
             figures = {"median_s": median, "token_positions": tokens, "speedup": ratio, "chunk_speedup": chunk_ratio}
             json.dump({**figures, "set_num_threads": threads}, f, indent=2)
+
+
+def policy_update(args) -> None:
+    """Time (and with ``--profile``, profile) round ``args.round``'s whole update, as the train stage runs it."""
+    import torch
+
+    from models.checkpoint import load_policy
+    from storage import checkpoints
+    from storage.paths import StorageRoot
+    from storage.trajectories import committed_round_version, read_table
+    from tasks.config.train import TrainConfig
+    from tasks.train.policy_update import minibatches, proximal_plan, train_policy
+    from tasks.train.stage import TRAIN_COLUMNS, kept_rows, load_optimizer
+
+    root = StorageRoot.of(args.storage)
+    parent = checkpoints.local_copy(root, root.checkpoint(args.run_id, args.round - 1))
+    version = committed_round_version(root, args.run_id, args.round)
+    if version is None:
+        raise SystemExit(f"round {args.round} of {args.run_id} has no committed trajectories under {args.storage}")
+    rows = kept_rows(read_table(root, version, columns=TRAIN_COLUMNS))
+    config = TrainConfig()
+    batches = minibatches(rows, config.groups_per_step, config.steps_per_round, config.seed)
+    plan = proximal_plan(config.recompute_proximal, "float32", [r["engine"] for r in rows], batches, args.round - 1)
+
+    def update() -> dict:
+        model, tokenizer = load_policy(parent, dtype="float32")
+        state = load_optimizer(parent, model)
+        start = time.perf_counter()
+        _, stats = train_policy(
+            model, tokenizer.pad_token_id, batches, config=config, temperature=1.0, optimizer=state,
+            current_version=args.round - 1, recompute=plan, precision=args.precision,
+        )  # fmt: skip
+        return {"seconds": time.perf_counter() - start, "steps": stats["train/steps"]}
+
+    update()  # warm-up
+    runs = [update() for _ in range(args.repeats)]
+    median = statistics.median(r["seconds"] for r in runs)
+    print(f"round {args.round}: {len(batches)} minibatches, {runs[0]['steps']} optimizer steps,", end=" ")
+    print(f"{median:.3f} s median of {args.repeats} ({median / max(runs[0]['steps'], 1) * 1e3:.1f} ms a step)")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        update()
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    model_math = sum(
+        e.self_cpu_time_total
+        for e in events
+        if e.key.startswith(("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_dot", "aten::_softmax"))
+        or "Backward" in e.key
+        or e.key.startswith(("Optimizer.step", "aten::_foreach", "aten::_fused_adam"))
+    )
+    print(
+        f"profiled: {total / 1e6:.3f} s of operator self time, {model_math / total:.0%} in matrix products, "
+        "softmax, autograd's backward nodes and the optimizer's step"
+    )
+    if args.profile:
+        print(events.table(sort_by="self_cpu_time_total", row_limit=30))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"median_s": median, "steps": runs[0]["steps"], "operator_s": total / 1e6}, f, indent=2)
 
 
 def thread_setting_cost(score, model, repeats: int) -> dict:

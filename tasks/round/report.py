@@ -51,6 +51,14 @@ def _fmt(stats: dict, key: str, spec: str = ".3f", unit: str = "") -> str:
     return "n/a" if value is None else f"{value:{spec}}{unit}"
 
 
+def _generated_per_kept(s: dict) -> str:
+    """Generated groups per trainable one: the rollout's waste (all-right or all-wrong groups teach nothing)."""
+    generated, kept = s.get("rollout/groups"), s.get("filter/kept_groups")
+    if generated is None or not kept:
+        return "n/a"
+    return f"{generated / kept:.2f} ({_fmt(s, 'rollout/curriculum_skipped_prompts', '.0f')})"
+
+
 def straggler_wait(stats: dict[str, Any]) -> dict[str, float]:
     """The wait the round paid between holding its trainable batch and starting to train (stopping or
     finishing stragglers, verdicts, staging, filter and store, loading the trainer). Absent when the
@@ -134,6 +142,7 @@ def report_sections(s: dict) -> list[tuple[str, list[tuple[str, str]]]]:
                     "groups complete / trainable target",
                     f"{_fmt(s, 'rollout/groups', '.0f')} / {_fmt(s, 'rollout/target_groups', '.0f')}",
                 ),
+                ("groups generated per kept (curriculum skipped prompts)", _generated_per_kept(s)),
                 *_episodes(s),
             ],
         ),

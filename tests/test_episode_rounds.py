@@ -201,15 +201,13 @@ def test_a_round_of_the_agent_campaign_replays_bitwise(agent_campaign):
         assert a.read() == b.read()
 
 
-def test_an_agentic_round_killed_after_its_rollout_resumes_without_playing_again(
-    prefect_harness, chat_policy_dir, tmp_path
-):
-    """`rlrounds run` killed (SIGKILL) right after round 1's rollout staged its episodes: the resumed campaign
-    commits exactly those episodes (their start times are the staged ones) instead of playing them again."""
+def test_an_agentic_round_killed_mid_round_resumes_without_playing_again(prefect_harness, chat_policy_dir, tmp_path):
+    """`rlrounds run` killed (SIGKILL) right after round 1's filter committed its episodes, before its record: the
+    resumed campaign keeps that trajectory version (the episodes are not played again) and finishes the round."""
     import yaml
     from test_resume import Campaign
 
-    from storage.trajectories import committed_round_version, read_staged
+    from storage.trajectories import committed_round_version
 
     (tmp_path / "guess_env.py").write_text(docs_module("guess_env.py"))
     config = {
@@ -233,17 +231,18 @@ def test_an_agentic_round_killed_after_its_rollout_resumes_without_playing_again
     pythonpath = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path), pythonpath]))
     try:
-        campaign.run("--config", str(path), crash_after="rollout:1", expect_crash=True)
+        campaign.run("--config", str(path), crash_after="filter:1", expect_crash=True)
         root = StorageRoot.of(storage)
-        staging = read_staged(root, root.rollout_staging_file("agent-crash", 1)).to_pylist()
-        staged = sorted((r["group_id"], r["sample_index"], r["started_at"]) for r in staging)
-        assert staged and committed_round_version(root, "agent-crash", 1) is None
+        before = committed_round_version(root, "agent-crash", 1)
+        assert before is not None
         out, _ = campaign.run("--resume", "agent-crash", "--config", str(path))
     finally:
         if pythonpath is None:
             os.environ.pop("PYTHONPATH")
         else:
             os.environ["PYTHONPATH"] = pythonpath
-    committed = read_table(root, committed_round_version(root, "agent-crash", 1)).to_pylist()
-    assert sorted((r["group_id"], r["sample_index"], r["started_at"]) for r in committed) == staged
+    assert "round 1:" in out and "resumed:" in out
+    after = committed_round_version(root, "agent-crash", 1)
+    assert after.version == before.version
+    committed = read_table(root, after).to_pylist()
     assert all(r["turns"] for r in committed)

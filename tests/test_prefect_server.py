@@ -199,7 +199,7 @@ def test_deployments_forms_and_schedule_are_registered(server):
         definitions = schema.get("definitions") or schema.get("$defs")
         assert definitions, f"no model definitions in the stored schema: {sorted(schema)}"
         rollout = definitions["RolloutConfig"]["properties"]
-        assert rollout["dtype"]["enum"] == ["float32", "bfloat16", "float16"]
+        assert rollout["dtype"]["enum"] == ["float32", "bfloat16", "float16", "auto"]
         assert rollout["dtype"]["description"].startswith("Engine precision")
         assert schema["properties"]["storage"]["description"].startswith("Storage root")
         assert schema["properties"]["config"]["default"]["rounds"] == 45  # the form opens filled in

@@ -160,12 +160,13 @@ def policy_update(args) -> None:
     import torch
 
     from models.checkpoint import load_policy
+    from models.sharded import load_optimizer
     from storage import checkpoints
     from storage.paths import StorageRoot
     from storage.trajectories import committed_round_version, read_table
     from tasks.config.train import TrainConfig
     from tasks.train.policy_update import minibatches, proximal_plan, train_policy
-    from tasks.train.stage import TRAIN_COLUMNS, kept_rows, load_optimizer
+    from tasks.train.stage import TRAIN_COLUMNS, kept_rows
 
     root = StorageRoot.of(args.storage)
     parent = checkpoints.local_copy(root, root.checkpoint(args.run_id, args.round - 1))

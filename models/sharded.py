@@ -8,6 +8,7 @@ Pure torch over a loaded Hugging Face causal LM; the worker group that drives it
     full_weights(model)                  every rank takes part; rank 0 gets the whole state on the CPU
     save_optimizer_shards / load_...     the optimizer state with torch.distributed.checkpoint (DCP)
     plain_optimizer_state(dir, model)    a DCP optimizer directory as one process's ``state_dict``
+    save_optimizer / load_optimizer      a one-process trainer's state (``optimizer.pt``); load reads either form
     resident_bytes(model, optimizer)     this rank's parameter, gradient and optimizer-state bytes
 
 Optimizer state is kept in two forms. A one-process trainer saves ``optimizer.pt``, a plain
@@ -236,6 +237,33 @@ def plain_optimizer_state(directory: str, model) -> dict:
         "state": {index[name]: value for name, value in whole["state"].items()},
         "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in whole["param_groups"]],
     }
+
+
+def save_optimizer(state: dict, directory: str) -> None:
+    """A one-process trainer's optimizer ``state_dict`` (its tensors on the CPU) into the checkpoint ``directory``."""
+    torch.save(state, os.path.join(directory, OPTIMIZER_FILE))
+
+
+def load_optimizer(directory: str, model) -> dict | None:
+    """The optimizer state a checkpoint continues with, as one process's ``state_dict`` over ``model``: its
+    ``optimizer.pt``, or the shards a worker group saved (``optimizer/``), or None (a base)."""
+    path = os.path.join(directory, OPTIMIZER_FILE)
+    if os.path.exists(path):
+        return torch.load(path, weights_only=True, map_location="cpu")
+    if os.path.isdir(os.path.join(directory, OPTIMIZER_DIR)):
+        return plain_optimizer_state(os.path.join(directory, OPTIMIZER_DIR), model)
+    return None
+
+
+def on_cpu(state):
+    """A nested state (dicts, lists of tensors) with every tensor moved to the CPU."""
+    if isinstance(state, torch.Tensor):
+        return state.cpu()
+    if isinstance(state, dict):
+        return {k: on_cpu(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [on_cpu(v) for v in state]
+    return state
 
 
 def resident_bytes(model, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:

@@ -80,16 +80,19 @@ def test_every_form_field_has_help_and_every_optional_field_a_default():
             ), f"{deployment['name']}: {where} has no default"
 
 
+DTYPES = ["float32", "bfloat16", "float16", "auto"]  # tasks/config/base.py's Dtype, as the forms list it
+
+
 def test_choices_are_enums_in_the_forms():
     schema = _schema(_flow({"entrypoint": "flows.start:rl_round_from"}))
     definitions = schema["definitions"]
-    assert definitions["RolloutConfig"]["properties"]["dtype"]["enum"] == ["float32", "bfloat16", "float16", "auto"]
-    assert definitions["EvaluateConfig"]["properties"]["serving_dtype"]["enum"] == ["float32", "bfloat16", "float16", "auto"]
+    assert definitions["RolloutConfig"]["properties"]["dtype"]["enum"] == DTYPES
+    assert definitions["EvaluateConfig"]["properties"]["serving_dtype"]["enum"] == DTYPES
     assert definitions["RolloutConfig"]["properties"]["engine"]["enum"] == ["embedded", "vllm"]
     assert definitions["TrainConfig"]["properties"]["aggregation"]["enum"] == ["token", "sequence", "dr_grpo"]
     evaluate = _schema(_flow({"entrypoint": "flows.evaluate:rl_evaluate"}))["properties"]
     (choices,) = [option["enum"] for option in evaluate["serving_dtype"]["anyOf"] if "enum" in option]  # or null
-    assert choices == ["float32", "bfloat16", "float16", "auto"]
+    assert choices == DTYPES
 
 
 def test_the_round_deployment_asks_for_a_model_reference_not_internal_strings():

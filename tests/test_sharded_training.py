@@ -52,9 +52,8 @@ def one_process(
     """Train in this process as a one-worker round does; save into ``out``; (stats, resident bytes)."""
     from models.checkpoint import load_policy, save_policy
     from models.device import resolve_device, resolve_precision
-    from models.sharded import resident_bytes
+    from models.sharded import load_optimizer, on_cpu, resident_bytes, save_optimizer
     from tasks.train.policy_update import minibatches, train_policy
-    from tasks.train.stage import load_optimizer, on_cpu, save_optimizer
 
     placed = resolve_device(device)
     model, tokenizer = load_policy(parent)
@@ -141,8 +140,7 @@ def test_checkpoints_continue_across_worker_counts(tiny_policy_dir, tmp_path):
     """A 2-worker checkpoint (optimizer state as DCP shards) continues in one process, and a one-process
     checkpoint (optimizer.pt) on 2 workers: a second round from either lands where one process lands."""
     from models.checkpoint import load_policy
-    from models.sharded import OPTIMIZER_DIR, OPTIMIZER_FILE
-    from tasks.train.stage import load_optimizer
+    from models.sharded import OPTIMIZER_DIR, OPTIMIZER_FILE, load_optimizer
 
     _, tokenizer = load_policy(tiny_policy_dir)
     config = step_config()

@@ -20,7 +20,7 @@ import torch
 from models.checkpoint import load_policy, save_policy
 from models.device import deterministic_kernels, resolve_device, resolve_precision
 from models.memory import ADAPTER_DIR, add_adapters, merged_policy, save_adapters
-from models.sharded import OPTIMIZER_DIR, OPTIMIZER_FILE, plain_optimizer_state
+from models.sharded import load_optimizer, on_cpu, save_optimizer
 from storage import checkpoints
 from storage.paths import StorageRoot
 from storage.trajectories import read_manifest, read_table
@@ -32,22 +32,6 @@ from tasks.round.results import Trained
 from tasks.serving.live import LiveEngines
 from tasks.train.policy_update import TrainBatch, minibatches, proximal_plan, sharded_minibatches, train_policy
 from tasks.train.worker_group import TrainerWorkers, TrainJob, write_files
-
-
-def save_optimizer(state: dict, directory: str) -> None:
-    torch.save(state, os.path.join(directory, OPTIMIZER_FILE))
-
-
-def load_optimizer(directory: str, model) -> dict | None:
-    """The optimizer state a checkpoint continues with, as one process's ``state_dict`` over ``model``: its
-    ``optimizer.pt``, or the shards a worker group saved (models/sharded.py), or None (a base)."""
-    path = os.path.join(directory, OPTIMIZER_FILE)
-    if os.path.exists(path):
-        return torch.load(path, weights_only=True, map_location="cpu")
-    if os.path.isdir(os.path.join(directory, OPTIMIZER_DIR)):
-        return plain_optimizer_state(os.path.join(directory, OPTIMIZER_DIR), model)
-    return None
-
 
 # -- the stage ------------------------------------------------------------------------------------
 
@@ -235,14 +219,3 @@ def lora_lineage(config: TrainConfig, parent: str) -> dict:
     if config.lora is None:
         return {}
     return {"lora": {**config.lora.model_dump(mode="json"), "adapter_base": parent, "adapter_dir": ADAPTER_DIR}}
-
-
-def on_cpu(state):
-    """A nested state (dicts, lists of tensors) with every tensor moved to the CPU."""
-    if isinstance(state, torch.Tensor):
-        return state.cpu()
-    if isinstance(state, dict):
-        return {k: on_cpu(v) for k, v in state.items()}
-    if isinstance(state, list):
-        return [on_cpu(v) for v in state]
-    return state

@@ -28,9 +28,11 @@ PROMPTS = ["1+2=", "34+56=", "7+89=", "99+99=", "5+5="]
 
 
 @pytest.fixture(scope="module")
-def vllm_base(seed_builtin_base, tmp_path_factory):
-    """The built-in base checkpoint, and a small KV cache per engine (two engines share the GPU)."""
+def vllm_base(request, tmp_path_factory):
+    """The built-in base checkpoint, and a small KV cache per engine (two engines share the GPU). Skips before
+    building the base (which needs the whole project's packages) where vLLM is missing, as in the torch tier."""
     pytest.importorskip("vllm", reason="vLLM is not installed (on a GPU machine: benchmarks/gpu_check.sh)")
+    seed_builtin_base = request.getfixturevalue("seed_builtin_base")
     saved = os.environ.get("RLROUNDS_VLLM_ARGS")
     os.environ["RLROUNDS_VLLM_ARGS"] = '{"kv_cache_memory_bytes": 268435456}'
     yield seed_builtin_base(str(tmp_path_factory.mktemp("gpu") / "data"))

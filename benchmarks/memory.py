@@ -27,6 +27,13 @@ Configurations:
                          layers: its peak above the loaded model should not depend on the vocabulary
                          (once the logits outgrow ``LOGITS_BUDGET``: far fewer rows are scored whole)
     score-32k-whole      the same at 32k with the whole logits (the computation before the logits budget)
+    round-full-gc, round-lora-gc, round-full, round-lora
+                         a whole round in one process, stage by stage as a round runs them: rollout (the
+                         embedded engine at float32 samples --prompts x --samples completions of exactly --tokens
+                         tokens), train (train_here over those rows, the engine still held), publish (the live
+                         engine loads the new checkpoint) and evaluate (a bfloat16 engine answers the prompts
+                         greedily). Per stage: seconds and peak RSS (VmHWM, reset at the stage's start).
+                         ``--configs round-full-gc,round-lora-gc --prompts 16 --tokens 128`` is the issue's round.
 
 Figures are printed as a table and written with ``--json``; ratios are taken within the run.
 """
@@ -51,6 +58,8 @@ SHAPES = {  # hidden, layers, heads, kv heads, MLP
 VOCAB = 151_936
 TRAIN_CONFIGS = ("full", "full-gc", "full-gc-2x", "lora", "lora-gc")
 SCORE_CONFIGS = ("score-32k", "score-152k", "score-32k-whole")
+ROUND_CONFIGS = ("round-full-gc", "round-lora-gc", "round-full", "round-lora")
+STAGES = ("rollout", "train", "publish", "evaluate")
 
 
 def build_policy(directory: str, shape: tuple, vocab: int, seed: int = 0) -> int:
@@ -183,6 +192,104 @@ def run_train(spec: dict) -> dict:
     return {"peak_bytes": peak_bytes(), **timings, "loss": stats["train/loss"]}
 
 
+def run_round(spec: dict) -> dict:
+    """A whole round in this (fresh) process, stage by stage: each stage's seconds and peak RSS."""
+    import torch
+
+    from models.engines.types import GroupRequest, SamplingParams
+    from tasks.config.train import TrainConfig
+    from tasks.serving.engines import make_engine
+    from tasks.train import stage
+    from tasks.train.policy_update import minibatches
+
+    torch.set_num_threads(spec["threads"])
+    rng = random.Random(0)
+    prompts = [tuple([1] + [rng.randrange(4, spec["vocab"]) for _ in range(23)]) for _ in range(spec["prompts"])]
+    figures: dict[str, float] = {}
+
+    def timed(name: str):
+        print(f"{name}: started", file=sys.stderr, flush=True)
+        reset_peak()
+        started = time.perf_counter()
+
+        def done() -> None:
+            figures[f"{name}_s"] = time.perf_counter() - started
+            figures[f"{name}_peak_bytes"] = status_bytes("VmHWM")
+            print(
+                f"{name}: {figures[f'{name}_s']:.1f} s, peak {figures[f'{name}_peak_bytes'] / 2**30:.2f} GiB",
+                file=sys.stderr,
+                flush=True,
+            )
+
+        return done
+
+    done = timed("rollout")
+    engine, _ = make_engine("embedded", spec["policy"], dtype="float32", policy_version=0, max_batch=256, device="cpu")
+    params = SamplingParams(temperature=1.0, max_tokens=spec["tokens"], seed=0, ignore_eos=True)
+    samples = list(engine.generate([GroupRequest(f"g{i}", p, spec["samples"], params) for i, p in enumerate(prompts)]))
+    done()
+    rows = [
+        {
+            "group_id": s.group_id,
+            "prompt_token_ids": list(s.prompt_token_ids),
+            "completion_token_ids": list(s.token_ids),
+            "rollout_logprobs": list(s.logprobs),
+            "advantage": 1.0 if s.sample_index % 2 else -1.0,
+            "token_policy_versions": [0] * len(s.token_ids),
+            "sampling": {"top_p": 1.0, "max_tokens": spec["tokens"]},
+            "engine": {"name": "embedded", "dtype": "float32"},
+        }
+        for s in samples
+    ]
+    train = {
+        "groups_per_step": spec["prompts"],
+        "steps_per_round": 1,
+        "epochs": 1,
+        "max_kl": None,
+        "recompute_proximal": "never",
+        "max_tokens_per_microbatch": spec["microbatch"],
+        "gradient_checkpointing": spec["gc"],
+    }
+    if spec["lora"]:
+        train["lora"] = {"rank": 16, "alpha": 32}
+    config = TrainConfig(**train)
+    batches = minibatches(rows, config.groups_per_step, config.steps_per_round)
+    with tempfile.TemporaryDirectory(prefix="rlrounds-memory-round-") as out:
+        done = timed("train")
+        stats, _ = stage.train_here(
+            spec["policy"],
+            None,
+            batches,
+            config=config,
+            temperature=1.0,
+            current_version=0,
+            recompute=[True],
+            out=out,
+            device=torch.device("cpu"),
+            precision="fp32",
+            progress=None,
+        )
+        done()
+        done = timed("publish")
+        engine.load_weights(out, policy_version=1)
+        done()
+        del engine
+        done = timed("evaluate")
+        serving, _ = make_engine("embedded", out, dtype="bfloat16", policy_version=1, max_batch=256, device="cpu")
+        greedy = SamplingParams(temperature=0.0, max_tokens=spec["tokens"], ignore_eos=True)
+        answers = list(serving.generate([GroupRequest(f"e{i}", p, 1, greedy) for i, p in enumerate(prompts)]))
+        done()
+    return {
+        "peak_bytes": max(figures[f"{name}_peak_bytes"] for name in STAGES),  # each reset clears ru_maxrss too
+        **figures,
+        "rows": len(rows),
+        "tokens": sum(len(r["prompt_token_ids"]) + len(r["completion_token_ids"]) for r in rows),
+        "update_s": stats["train/update_s"],
+        "mismatch_mean_abs": stats["train/mismatch_mean_abs"],
+        "answers": len(answers),
+    }
+
+
 def run_score(spec: dict) -> dict:
     """One no-gradient scoring pass over the round's rows; its peak above the loaded model."""
     import torch
@@ -218,9 +325,10 @@ def measure(name: str, spec: dict) -> dict:
     """Run one configuration in a fresh interpreter; its figures."""
     env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
     command = [sys.executable, __file__, "--child", json.dumps(spec)]
-    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    print(f"{name}: running in a fresh process", file=sys.stderr, flush=True)
+    done = subprocess.run(command, stdout=subprocess.PIPE, text=True, env=env)  # its progress shows on stderr
     if done.returncode != 0:
-        return {"config": name, "error": (done.stderr.strip().splitlines() or ["failed"])[-1][:300]}
+        return {"config": name, "error": f"exited with {done.returncode}; its error is printed above"}
     return {"config": name, **json.loads(done.stdout.strip().splitlines()[-1])}
 
 
@@ -240,7 +348,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         spec = json.loads(args.child)
-        print(json.dumps(run_score(spec) if spec["kind"] == "score" else run_train(spec)))
+        run = {"score": run_score, "train": run_train, "round": run_round}[spec["kind"]]
+        print(json.dumps(run(spec)))
         return
 
     shape = SHAPES["quick" if args.quick else "qwen2.5-0.5b"]
@@ -283,8 +392,19 @@ def main() -> None:
                     "vocab": vocab,
                     "whole": name.endswith("whole"),
                 }
+            elif name in ROUND_CONFIGS:
+                spec = {
+                    **common,
+                    "kind": "round",
+                    "policy": policy(shape, VOCAB),
+                    "vocab": VOCAB,
+                    "microbatch": args.microbatch,
+                    "gc": name.endswith("-gc"),
+                    "lora": "lora" in name,
+                }
             else:
-                raise SystemExit(f"unknown configuration {name!r}; choose from {TRAIN_CONFIGS + SCORE_CONFIGS}")
+                known = TRAIN_CONFIGS + SCORE_CONFIGS + ROUND_CONFIGS
+                raise SystemExit(f"unknown configuration {name!r}; choose from {known}")
             result = measure(name, spec)
             results.append(result)
             print(json.dumps(result), flush=True)
@@ -302,6 +422,13 @@ def main() -> None:
         above = f"{r['above_model_bytes'] / gib:17.2f}" if "above_model_bytes" in r else " " * 17
         cells = "".join(f"{r[k]:9.1f}" if k in r else " " * 9 for k in ("train_s", "stage_s", "score_s"))
         print(f"{r['config']:<18}{r['peak_bytes'] / gib:10.2f}{above}{cells}")
+    whole_rounds = [r for r in results if "error" not in r and "rollout_s" in r]
+    if whole_rounds:
+        print(f"\nwhole rounds: {args.prompts} x {args.samples} x {args.tokens} tokens; per stage: seconds / peak GiB")
+        print(f"{'config':<18}" + "".join(f"{stage:>18}" for stage in STAGES) + f"{'process peak':>14}")
+        for r in whole_rounds:
+            cells = "".join(f"{r[stage + '_s']:9.1f} / {r[stage + '_peak_bytes'] / gib:5.2f}" for stage in STAGES)
+            print(f"{r['config']:<18}{cells}{r['peak_bytes'] / gib:14.2f}")
     peaks = {r["config"]: r for r in results if "error" not in r}
     ratios = {}
     if "lora" in peaks and "full" in peaks:
@@ -310,6 +437,10 @@ def main() -> None:
         ratios["lora_gc_over_full_gc_peak"] = peaks["lora-gc"]["peak_bytes"] / peaks["full-gc"]["peak_bytes"]
     if "full-gc-2x" in peaks and "full-gc" in peaks:
         ratios["rows_doubled_peak"] = peaks["full-gc-2x"]["peak_bytes"] / peaks["full-gc"]["peak_bytes"]
+    if "round-lora-gc" in peaks and "round-full-gc" in peaks:
+        ratios["round_lora_gc_over_full_gc_peak"] = (
+            peaks["round-lora-gc"]["peak_bytes"] / peaks["round-full-gc"]["peak_bytes"]
+        )
     if "score-152k" in peaks and "score-32k" in peaks:
         ratios["score_152k_over_32k_above_model"] = (
             peaks["score-152k"]["above_model_bytes"] / peaks["score-32k"]["above_model_bytes"]

@@ -78,7 +78,9 @@ def token_logprobs(
     nucleus after an update gets a small probability rather than -inf (a finite ratio, no NaN).
     """
     positions = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=positions).logits
+    logits = model(
+        input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=positions, use_cache=False
+    ).logits
     logits = logits[:, :-1, :].float()  # [B, T-1, V] predicts token t+1
     return scored(logits, batch.input_ids[:, 1:], temperature, top_p)
 
@@ -285,7 +287,13 @@ def sequence_logprobs(
     mask = torch.cat([owner_mask, batch.completion_mask], dim=-1)  # [B, P + C]
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     width = batch.completion_ids.shape[1]
-    keep = {"input_ids": ids, "attention_mask": mask, "position_ids": positions, "logits_to_keep": width + 1}
+    keep = {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "position_ids": positions,
+        "logits_to_keep": width + 1,
+        "use_cache": False,  # nothing follows this pass; a checkpointed layer may not write a cache
+    }
     whole = ids.shape[0] * width * vocab_size(model) <= logits_budget or not plain_head(model)
     if whole:
         logits = model(**keep).logits[:, :-1, :].float()  # [B, C, V]: position P-1+j predicts completion token j

@@ -27,7 +27,11 @@ def checkpoint_layers(model: Any) -> int:
     mode so that dropout never makes it score another policy than the engine sampled from. Only the layers'
     own flag is set, not their children's: attention and MLP dropout stay off. Call it after ``model.eval()``,
     which clears the flag. A checkpointed layer takes no KV cache; score with ``sequence_logprobs``."""
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.24; the older name before
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     for layer in layers:
         layer.training = True  # the layer's own flag only: ``train()`` would switch its children too

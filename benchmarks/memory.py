@@ -13,9 +13,10 @@ A train configuration is one round's training stage as ``tasks.train.stage.train
 parent checkpoint, one optimizer step over ``--prompts`` x ``--samples`` rows with prompts of 24 tokens and
 completions of ``--tokens``, in micro-batches of ``--microbatch`` tokens, then save the new checkpoint and
 optimizer state. Its peak is the process's ru_maxrss; its stages are timed inside. The defaults (2 x 4 rows
-of 32 tokens, micro-batches of 256) keep the run near 10 minutes on 2 cores: at this shape a 2-core CPU
-trains about 3-4 tokens a second, so the issue's round (``--prompts 16 --tokens 128``, about 9,700 tokens)
-takes most of an hour per configuration. Micro-batches, not the round, set the peak (``full-gc-2x``).
+of 32 tokens, micro-batches of 256) keep each train configuration to a few minutes on 2 cores: at this shape
+an idle 2-core AVX-512 CPU trains about 19 tokens a second (27-30 with LoRA), so a round of 16 x 4 x 128
+tokens (``--prompts 16 --tokens 128``, 9,728 tokens) trains for 5-9 minutes and runs for 9-12 minutes a
+configuration. Micro-batches, not the round, set the peak (``full-gc-2x``).
 Configurations:
 
     full, full-gc        full fine-tuning, micro-batches of --microbatch tokens, without / with gradient
@@ -33,7 +34,7 @@ Configurations:
                          tokens), train (train_here over those rows, the engine still held), publish (the live
                          engine loads the new checkpoint) and evaluate (a bfloat16 engine answers the prompts
                          greedily). Per stage: seconds and peak RSS (VmHWM, reset at the stage's start).
-                         ``--configs round-full-gc,round-lora-gc --prompts 16 --tokens 128`` is the issue's round.
+                         ``--configs round-full-gc,round-lora-gc --prompts 16 --tokens 128``: 16 x 4 x 128 tokens.
 
 Figures are printed as a table and written with ``--json``; ratios are taken within the run.
 """

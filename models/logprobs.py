@@ -78,9 +78,7 @@ def token_logprobs(
     nucleus after an update gets a small probability rather than -inf (a finite ratio, no NaN).
     """
     positions = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(
-        input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=positions, use_cache=False
-    ).logits
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=positions).logits
     logits = logits[:, :-1, :].float()  # [B, T-1, V] predicts token t+1
     return scored(logits, batch.input_ids[:, 1:], temperature, top_p)
 

@@ -150,6 +150,27 @@ def test_an_inline_pool_answers_on_the_callers_thread_and_a_dying_call_is_an_inf
     assert pool.stats()["verify/worker_deaths"] == 1
 
 
+def test_a_stop_signal_raised_inside_an_inline_verifier_stops_the_caller():
+    """The SIGTERM handler runs on the main thread, where inline verifiers run: Prefect's (a flow run's) raises
+    TerminationSignal there and a Ctrl-C raises KeyboardInterrupt. Neither is a verifier's failure."""
+    import signal
+
+    from prefect.exceptions import TerminationSignal
+
+    for stop in (TerminationSignal(signal.SIGTERM), KeyboardInterrupt()):
+
+        def verifier(completion, reference, stop=stop):
+            if completion == "1":
+                raise stop
+            return Verdict(1.0, Outcome.SUCCESS)
+
+        with VerifierPool(verifier, workers=2, inline=True) as pool:
+            pool.submit("0", "x")
+            with pytest.raises(type(stop)):
+                pool.submit("1", "x")
+            assert pool.stats()["verify/worker_deaths"] == 0
+
+
 def test_only_instant_verifiers_score_inline_and_never_behind_a_waiting_environment():
     from tasks.config.verify import SimulatedEnvironmentConfig, VerifyConfig
     from tasks.verifiers.registry import scores_inline

@@ -150,9 +150,10 @@ class VerifierPool:
         if self.inline:
             try:
                 verdict = self._verify(_Job(future, completion_text, reference))
-            except (KeyboardInterrupt, GeneratorExit):
-                raise
-            except BaseException as exc:  # noqa: BLE001 -- as a worker's death: the environment's loss
+            except (Exception, SystemExit) as exc:  # noqa: BLE001 -- as a worker's death: the environment's loss
+                # Any other BaseException is the process being stopped, not the verifier failing: Ctrl-C, our
+                # SIGTERM, or Prefect's TerminationSignal (its SIGTERM handler during a flow run). Swallowed here it
+                # would become one infra-failed sample and the campaign would run on past its stop.
                 self.counts["deaths"] += 1
                 verdict = Verdict(None, Outcome.INFRA_FAILURE, f"verifier call died: {type(exc).__name__}: {exc}")
             _resolve(future, verdict)

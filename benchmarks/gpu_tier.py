@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch
 
-from benchmarks.memory import SHAPES, VOCAB, build_policy
+from benchmarks.memory import SHAPES, VOCAB, build_policy, kept_rows
 
 TINY = (64, 2, 4, 2, 128)  # hidden, layers, heads, kv heads, MLP
 TINY_VOCAB = 4096
@@ -108,22 +108,6 @@ def sample(policy_dir: str, args, device: torch.device) -> tuple[list, dict]:
         close()
     del engine
     return samples, {"engine_seconds": seconds, "engine_tokens": generated, "engine_tokens_per_s": generated / seconds}
-
-
-def kept_rows(samples: list) -> list[dict]:
-    return [
-        {
-            "group_id": s.group_id,
-            "prompt_token_ids": list(s.prompt_token_ids),
-            "completion_token_ids": list(s.token_ids),
-            "rollout_logprobs": list(s.logprobs),
-            "advantage": 1.0 if s.sample_index % 2 else -1.0,
-            "token_policy_versions": [0] * len(s.token_ids),
-            "sampling": {"top_p": 1.0, "max_tokens": len(s.token_ids)},
-            "engine": {"name": "embedded", "dtype": "bfloat16"},
-        }
-        for s in samples
-    ]
 
 
 def train_step(policy_dir: str, rows: list[dict], args, device: torch.device, lora: bool) -> dict:
@@ -205,7 +189,7 @@ def main(argv=None) -> dict:
         parameters = build_policy(policy_dir, shape, vocab)
         print(f"gpu_tier: sampling {args.prompts} x {args.samples} x {args.tokens} tokens", flush=True)
         samples, engine = sample(policy_dir, args, device)
-        rows = kept_rows(samples)
+        rows = kept_rows(samples, "bfloat16")
         train = {}
         for name in ("full", "lora"):
             print(f"gpu_tier: one {name} train step over {len(rows)} rows", flush=True)

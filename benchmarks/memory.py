@@ -149,16 +149,11 @@ def reset_peak() -> None:
         f.write("5")
 
 
-def run_train(spec: dict) -> dict:
-    """One train configuration, in this (fresh) process: the train stage's own function."""
-    import torch
-
+def train_config(spec: dict):
+    """One optimizer step over all of a configuration's rows, in its micro-batches, with or without
+    checkpointing and LoRA (rank 16, alpha 32 on every projection)."""
     from tasks.config.train import TrainConfig
-    from tasks.train import stage
-    from tasks.train.policy_update import minibatches
 
-    torch.set_num_threads(spec["threads"])
-    rows = synthetic_rows(spec["prompts"], spec["samples"], spec["tokens"], spec["vocab"])
     train = {
         "groups_per_step": spec["prompts"],
         "steps_per_round": 1,
@@ -170,7 +165,36 @@ def run_train(spec: dict) -> dict:
     }
     if spec["lora"]:
         train["lora"] = {"rank": 16, "alpha": 32}
-    config = TrainConfig(**train)
+    return TrainConfig(**train)
+
+
+def kept_rows(samples: list, dtype: str) -> list[dict]:
+    """An engine's samples as a round's kept rows, advantages alternating +1 and -1 within each group."""
+    return [
+        {
+            "group_id": s.group_id,
+            "prompt_token_ids": list(s.prompt_token_ids),
+            "completion_token_ids": list(s.token_ids),
+            "rollout_logprobs": list(s.logprobs),
+            "advantage": 1.0 if s.sample_index % 2 else -1.0,
+            "token_policy_versions": [0] * len(s.token_ids),
+            "sampling": {"top_p": 1.0, "max_tokens": len(s.token_ids)},
+            "engine": {"name": "embedded", "dtype": dtype},
+        }
+        for s in samples
+    ]
+
+
+def run_train(spec: dict) -> dict:
+    """One train configuration, in this (fresh) process: the train stage's own function."""
+    import torch
+
+    from tasks.train import stage
+    from tasks.train.policy_update import minibatches
+
+    torch.set_num_threads(spec["threads"])
+    rows = synthetic_rows(spec["prompts"], spec["samples"], spec["tokens"], spec["vocab"])
+    config = train_config(spec)
     batches = minibatches(rows, config.groups_per_step, config.steps_per_round)
     timings: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="rlrounds-memory-") as out:
@@ -198,7 +222,6 @@ def run_round(spec: dict) -> dict:
     import torch
 
     from models.engines.types import GroupRequest, SamplingParams
-    from tasks.config.train import TrainConfig
     from tasks.serving.engines import make_engine
     from tasks.train import stage
     from tasks.train.policy_update import minibatches
@@ -229,31 +252,8 @@ def run_round(spec: dict) -> dict:
     params = SamplingParams(temperature=1.0, max_tokens=spec["tokens"], seed=0, ignore_eos=True)
     samples = list(engine.generate([GroupRequest(f"g{i}", p, spec["samples"], params) for i, p in enumerate(prompts)]))
     done()
-    rows = [
-        {
-            "group_id": s.group_id,
-            "prompt_token_ids": list(s.prompt_token_ids),
-            "completion_token_ids": list(s.token_ids),
-            "rollout_logprobs": list(s.logprobs),
-            "advantage": 1.0 if s.sample_index % 2 else -1.0,
-            "token_policy_versions": [0] * len(s.token_ids),
-            "sampling": {"top_p": 1.0, "max_tokens": spec["tokens"]},
-            "engine": {"name": "embedded", "dtype": "float32"},
-        }
-        for s in samples
-    ]
-    train = {
-        "groups_per_step": spec["prompts"],
-        "steps_per_round": 1,
-        "epochs": 1,
-        "max_kl": None,
-        "recompute_proximal": "never",
-        "max_tokens_per_microbatch": spec["microbatch"],
-        "gradient_checkpointing": spec["gc"],
-    }
-    if spec["lora"]:
-        train["lora"] = {"rank": 16, "alpha": 32}
-    config = TrainConfig(**train)
+    rows = kept_rows(samples, "float32")
+    config = train_config(spec)
     batches = minibatches(rows, config.groups_per_step, config.steps_per_round)
     with tempfile.TemporaryDirectory(prefix="rlrounds-memory-round-") as out:
         done = timed("train")

@@ -150,9 +150,3 @@ def test_the_nucleus_is_the_same_with_deterministic_algorithms_on():
     finally:
         torch.use_deterministic_algorithms(False)
     assert plain.any() and not plain[3].any()  # a nucleus drops tokens; top_p 1 drops none
-
-
-def test_no_cached_gpu_memory_to_release_without_cuda():
-    from models.device import release_cached_memory
-
-    release_cached_memory()  # a no-op here; on a GPU it empties torch's cache before a vLLM engine starts

@@ -24,6 +24,20 @@ pytestmark = pytest.mark.gpu
 PROMPTS = ["1+2=", "34+56=", "7+89=", "99+99=", "5+5="]
 
 
+# -- the device's memory
+
+
+def test_cached_memory_is_returned_to_the_gpu_before_an_engine_starts():
+    """vLLM sizes itself from the GPU's free memory: what torch's allocator keeps cached must go back first."""
+    from models.device import release_cached_memory
+
+    block = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    del block
+    assert torch.cuda.memory_reserved() >= 64 << 20  # freed to torch's cache, not to the GPU
+    release_cached_memory()
+    assert torch.cuda.memory_reserved() < 64 << 20
+
+
 # -- vLLM weights from memory
 
 

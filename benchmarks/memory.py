@@ -185,33 +185,42 @@ def kept_rows(samples: list, dtype: str) -> list[dict]:
     ]
 
 
-def run_train(spec: dict) -> dict:
-    """One train configuration, in this (fresh) process: the train stage's own function."""
+def train_stage(spec: dict, rows: list[dict], out: str, recompute: bool) -> dict:
+    """The train stage's own function over ``rows`` on the CPU (one optimizer step, ``train_config``); the new
+    checkpoint is written into ``out``. Returns the stage's stats."""
     import torch
 
     from tasks.train import stage
     from tasks.train.policy_update import minibatches
 
-    torch.set_num_threads(spec["threads"])
-    rows = synthetic_rows(spec["prompts"], spec["samples"], spec["tokens"], spec["vocab"])
     config = train_config(spec)
     batches = minibatches(rows, config.groups_per_step, config.steps_per_round)
+    stats, _ = stage.train_here(
+        spec["policy"],
+        None,
+        batches,
+        config=config,
+        temperature=1.0,
+        current_version=0,
+        recompute=[recompute],
+        out=out,
+        device=torch.device("cpu"),
+        precision="fp32",
+        progress=None,
+    )
+    return stats
+
+
+def run_train(spec: dict) -> dict:
+    """One train configuration, in this (fresh) process: the train stage's own function."""
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    rows = synthetic_rows(spec["prompts"], spec["samples"], spec["tokens"], spec["vocab"])
     timings: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="rlrounds-memory-") as out:
         started = time.perf_counter()
-        stats, _ = stage.train_here(
-            spec["policy"],
-            None,
-            batches,
-            config=config,
-            temperature=1.0,
-            current_version=0,
-            recompute=[False],
-            out=out,
-            device=torch.device("cpu"),
-            precision="fp32",
-            progress=None,
-        )
+        stats = train_stage(spec, rows, out, recompute=False)
         timings["train_s"] = stats["train/update_s"]
         timings["stage_s"] = time.perf_counter() - started  # load + update + save
     return {"peak_bytes": peak_bytes(), **timings, "loss": stats["train/loss"]}
@@ -223,8 +232,6 @@ def run_round(spec: dict) -> dict:
 
     from models.engines.types import GroupRequest, SamplingParams
     from tasks.serving.engines import make_engine
-    from tasks.train import stage
-    from tasks.train.policy_update import minibatches
 
     torch.set_num_threads(spec["threads"])
     rng = random.Random(0)
@@ -253,23 +260,9 @@ def run_round(spec: dict) -> dict:
     samples = list(engine.generate([GroupRequest(f"g{i}", p, spec["samples"], params) for i, p in enumerate(prompts)]))
     done()
     rows = kept_rows(samples, "float32")
-    config = train_config(spec)
-    batches = minibatches(rows, config.groups_per_step, config.steps_per_round)
     with tempfile.TemporaryDirectory(prefix="rlrounds-memory-round-") as out:
         done = timed("train")
-        stats, _ = stage.train_here(
-            spec["policy"],
-            None,
-            batches,
-            config=config,
-            temperature=1.0,
-            current_version=0,
-            recompute=[True],
-            out=out,
-            device=torch.device("cpu"),
-            precision="fp32",
-            progress=None,
-        )
+        stats = train_stage(spec, rows, out, recompute=True)
         done()
         done = timed("publish")
         engine.load_weights(out, policy_version=1)

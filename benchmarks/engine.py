@@ -20,8 +20,17 @@ a few rows are long.
 ``generate`` is not asked for logprobs, the embedded engine always computes them. Both run on ``--device``
 (auto: CUDA when visible, else the CPU).
 
+Then the decode efficiency: the model FLOP/s the embedded engine reaches decoding ``--efficiency-rows`` rows
+of ``--efficiency-tokens`` tokens each (eos ignored) at the built-in size and at a Llama of about 85M
+parameters (hidden 768, 12 layers, MLP 2048), against the FLOP/s of one square float32 matrix product on the
+same device, measured in this run. A model's FLOPs are counted as 2 per weight of every linear layer (the
+LM head included, the embedding lookup not) and 4 x hidden per layer per position attended to, for every
+prompt and sampled token the engine ran through the model. At the built-in size the engine is bound by
+per-step work outside the model (sampling, bookkeeping, host syncs); at 85M by its matrix products.
+``--only-efficiency`` prints that table alone.
+
     python benchmarks/engine.py [--prompts 32] [--samples 8] [--tokens 32] [--rollout-prompts 2048] [--repeats 3]
-        [--device auto]
+        [--device auto] [--only-efficiency] [--efficiency-rows 64] [--efficiency-tokens 64]
 """
 
 from __future__ import annotations
@@ -33,7 +42,8 @@ import time
 import warnings
 
 
-def build_model(vocab_hidden=(16, 128), seed: int = 0):
+def build_model(vocab_hidden=(16, 128), seed: int = 0, **shape):
+    """A randomly initialised Llama of the built-in recipe's shape (``shape``: other BaseRecipe sizes)."""
     import torch
 
     from models.builtin.base_policy import BaseRecipe
@@ -42,7 +52,7 @@ def build_model(vocab_hidden=(16, 128), seed: int = 0):
 
     torch.manual_seed(seed)
     tokenizer = build_char_tokenizer()
-    model = build(BaseRecipe(hidden_size=vocab_hidden[1]), len(tokenizer), tokenizer).eval()
+    model = build(BaseRecipe(**{"hidden_size": vocab_hidden[1], **shape}), len(tokenizer), tokenizer).eval()
     model.config.max_position_embeddings = 512
     return model, tokenizer
 
@@ -131,6 +141,65 @@ def measure(runs: dict, repeats: int) -> dict[str, tuple[float, int]]:
     return {name: (statistics.median(t / e for t, e in r), r[0][0]) for name, r in seen.items()}
 
 
+SIZES = {  # name -> BaseRecipe sizes of the decode-efficiency table
+    "built-in": {},
+    "85M": {"hidden_size": 768, "num_layers": 12, "intermediate_size": 2048, "num_heads": 12},
+}
+
+
+def matmul_flops(device, size: int = 1024, repeats: int = 20) -> float:
+    """FLOP/s of a [size, size] @ [size, size] float32 product on ``device``: the median of ``repeats`` timed ones."""
+    import torch
+
+    a, b = (torch.randn(size, size, device=device) for _ in range(2))
+    times = []
+    for _ in range(repeats + 1):  # the first is a warm-up
+        start = time.perf_counter()
+        torch.mm(a, b)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return 2 * size**3 / statistics.median(times[1:])
+
+
+def model_flops(model, prompt_lengths: list[int], tokens: int) -> float:
+    """FLOPs of running every prompt and then ``tokens`` sampled tokens per row through ``model``, each
+    position attending to every position before it and itself (``SIZES``' counting rule, see the module)."""
+    import torch
+
+    config = model.config
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    per_position = 4 * config.hidden_size * config.num_hidden_layers  # scores and values, per key attended to
+    total = 0.0
+    for length in prompt_lengths:
+        positions = length + tokens - 1  # the last sampled token is never fed back
+        total += positions * 2 * linear + per_position * positions * (positions + 1) / 2
+    return total
+
+
+def decode_efficiency(device, rows: int, tokens: int, repeats: int) -> None:
+    """Print the decode-efficiency table (see the module's docstring)."""
+    peak = matmul_flops(device)
+    print(
+        f"\ndecode efficiency: {rows} rows x {tokens} tokens (eos ignored), against a 1024^3 float32 matrix product "
+        f"at {peak / 1e9:,.0f} GFLOP/s on this device"
+    )
+    print(f"{'model':<12}{'parameters':>12}{'tok/s':>12}{'model GFLOP/s':>16}{'of the product':>16}")
+    for name, shape in SIZES.items():
+        model, tokenizer = build_model(**shape)
+        texts = prompts(rows)
+        lengths = [len(tokenizer(t)["input_ids"]) for t in texts]
+        model.config.max_position_embeddings = max(lengths) + tokens  # the slot cache holds no more than it needs
+        model.to(device)
+        run = functools.partial(run_embedded, model, tokenizer, texts, 1, tokens, True, "slots", rows)
+        rate, useful = measure({name: run}, repeats)[name]
+        seconds = useful / rate
+        flops = model_flops(model, lengths, tokens) / seconds
+        params = sum(p.numel() for p in model.parameters())
+        print(f"{name:<12}{params / 1e6:>11.2f}M{rate:>12,.0f}{flops / 1e9:>16,.1f}{flops / peak:>15.1%}", flush=True)
+        del model
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, default=32)
@@ -142,6 +211,9 @@ def main() -> None:
     parser.add_argument("--rollout-prompts", type=int, default=2048, help="prompts of the rollout workload")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (as a round's device)")
+    parser.add_argument("--only-efficiency", action="store_true", help="print the decode-efficiency table alone")
+    parser.add_argument("--efficiency-rows", type=int, default=64, help="rows decoded at once in that table")
+    parser.add_argument("--efficiency-tokens", type=int, default=64, help="tokens each row decodes in that table")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     import torch
@@ -151,6 +223,9 @@ def main() -> None:
 
     hf_logging.set_verbosity_error()
     device = resolve_device(args.device)
+    if args.only_efficiency:
+        decode_efficiency(device, args.efficiency_rows, args.efficiency_tokens, args.repeats)
+        return
     model, tokenizer = build_model()
     model.to(device)
     texts = prompts(args.prompts)
@@ -192,6 +267,7 @@ def main() -> None:
             f"{label:<40}{generate}{pad:>14,.0f}{slots:>13,.0f}{one_pass:>14,.0f}{versus}{slots / pad:>9.2f}x"
             f"{slots / one_pass:>12.2f}x"
         )
+    decode_efficiency(device, args.efficiency_rows, args.efficiency_tokens, args.repeats)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ chunks of similar length, measured in one run.
     python benchmarks/train_step.py --storage DIR [--groups 128] [--samples 4] [--repeats 5] [--json PATH]
     python benchmarks/train_step.py --storage DIR --run-id RUN --round K [--repeats 5] [--json PATH]
     python benchmarks/train_step.py --storage DIR --run-id RUN --round K --policy-update [--profile] [--repeats 3]
+                                  [--compile mlp-norms|layers]
 
 DIR is a storage root; the built-in base is built there on first use and reused after. A minibatch
 is sampled by the embedded engine from the base (``--groups`` prompts x ``--samples`` samples, by
@@ -23,7 +24,10 @@ the count already in use, and its wall and system seconds are compared with the 
 ``TrainConfig``; ``--precision bf16``: under bf16 autocast): the median seconds of ``--repeats``, then
 one profiled repeat's operator time and the share of it in matrix products, attention's softmax,
 autograd's backward nodes and the optimizer's step (the rest: elementwise ops, copies, gathers).
-``--profile`` prints torch.profiler's table of the operators taking the most time.
+``--profile`` prints torch.profiler's table of the operators taking the most time. ``--compile PARTS`` first
+times the eager update against one with each decoder layer's MLP and norms (``mlp-norms``) or each whole layer
+(``layers``) under ``torch.compile(dynamic=True)``, interleaved, after one compiling update; the compiled update's
+numbers differ from the eager one's in the last bits, so a gain there is a learning-speed question, not a bitwise one.
 """
 
 from __future__ import annotations
@@ -48,6 +52,13 @@ def main() -> None:
     parser.add_argument("--policy-update", action="store_true", help="time round --round's whole update")
     parser.add_argument("--profile", action="store_true", help="with --policy-update: torch.profiler's table")
     parser.add_argument("--precision", default="fp32", help="with --policy-update: fp32, or bf16 autocast")
+    parser.add_argument(
+        "--compile",
+        choices=["none", "mlp-norms", "layers"],
+        default="none",
+        help="with --policy-update: also time the update with torch.compile on each decoder layer's MLP and norms, or "
+        "on whole decoder layers, against the eager update in the same run (the numbers differ in the last bits)",
+    )
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
     if (args.run_id is None) != (args.round is None):
@@ -178,8 +189,9 @@ def policy_update(args) -> None:
     batches = minibatches(rows, config.groups_per_step, config.steps_per_round, config.seed)
     plan = proximal_plan(config.recompute_proximal, "float32", [r["engine"] for r in rows], batches, args.round - 1)
 
-    def update() -> dict:
+    def update(compiled: str = "none") -> dict:
         model, tokenizer = load_policy(parent, dtype="float32")
+        compile_parts(model, compiled)
         state = load_optimizer(parent, model)
         start = time.perf_counter()
         _, stats = train_policy(
@@ -189,6 +201,16 @@ def policy_update(args) -> None:
         return {"seconds": time.perf_counter() - start, "steps": stats["train/steps"]}
 
     update()  # warm-up
+    if args.compile != "none":
+        first = update(args.compile)  # compiles
+        print(f"compiled ({args.compile}): first update {first['seconds']:.3f} s, compilation included")
+        pairs = [(update(), update(args.compile)) for _ in range(args.repeats)]
+        eager = statistics.median(a["seconds"] for a, _ in pairs)
+        compiled = statistics.median(b["seconds"] for _, b in pairs)
+        print(
+            f"round {args.round}: eager {eager:.3f} s, compiled ({args.compile}) {compiled:.3f} s, medians of "
+            f"{args.repeats} interleaved: compiled / eager {compiled / eager:.2f}x the time"
+        )
     runs = [update() for _ in range(args.repeats)]
     median = statistics.median(r["seconds"] for r in runs)
     print(f"round {args.round}: {len(batches)} minibatches, {runs[0]['steps']} optimizer steps,", end=" ")
@@ -213,6 +235,18 @@ def policy_update(args) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"median_s": median, "steps": runs[0]["steps"], "operator_s": total / 1e6}, f, indent=2)
+
+
+def compile_parts(model, parts: str) -> None:
+    """torch.compile, in place, each decoder layer's MLP and norms (``mlp-norms``) or each whole layer (``layers``)."""
+    if parts == "none":
+        return
+    for layer in model.model.layers:
+        if parts == "layers":
+            layer.compile(dynamic=True)
+        else:
+            for module in (layer.mlp, layer.input_layernorm, layer.post_attention_layernorm):
+                module.compile(dynamic=True)
 
 
 def thread_setting_cost(score, model, repeats: int) -> dict:

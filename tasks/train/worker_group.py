@@ -207,8 +207,13 @@ class TrainWorker:
             reference_bytes = None if ref_model is None else resident_bytes(ref_model)["parameters"]
             return WorkerResult(rank, stats, memory, read_files(out), largest, reference_bytes)
 
-    def leave(self) -> None:
+    def leave(self, wait_for_peers: bool = True) -> None:
+        """Leave the process group, by default once every rank has finished (a barrier): rank 0 works on after
+        the last collective (it saves the whole policy), and a rank that tore its gloo connections down
+        meanwhile was seen to abort ("terminate called without an active exception", SIGABRT)."""
         if dist.is_initialized():
+            if wait_for_peers:
+                dist.barrier()
             dist.destroy_process_group()
 
 
@@ -254,8 +259,10 @@ def _process_worker(
     worker.join(rank, world, address, timeout_s=COLLECTIVE_TIMEOUT_S)
     try:
         result = worker.train(parent, dataclasses.replace(job, shares=shares[rank]), reference)
-    finally:
-        worker.leave()
+    except BaseException:
+        worker.leave(wait_for_peers=False)  # a peer may be gone: no barrier
+        raise
+    worker.leave()
     with open(os.path.join(out, f"{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)
 

@@ -189,9 +189,9 @@ def policy_update(args) -> None:
     batches = minibatches(rows, config.groups_per_step, config.steps_per_round, config.seed)
     plan = proximal_plan(config.recompute_proximal, "float32", [r["engine"] for r in rows], batches, args.round - 1)
 
-    def update(compiled: str = "none") -> dict:
+    def update(parts: str = "none") -> dict:
         model, tokenizer = load_policy(parent, dtype="float32")
-        compile_parts(model, compiled)
+        compile_parts(model, parts)
         state = load_optimizer(parent, model)
         start = time.perf_counter()
         _, stats = train_policy(

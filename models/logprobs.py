@@ -61,7 +61,8 @@ def nucleus_drop(scaled: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
     probs = sorted_logits.softmax(-1)
     before = running_sum(probs) - probs  # mass of strictly more likely tokens
-    drop_sorted = before >= top_ps
+    # top_p 1 keeps every token: a float32 running sum can reach 1 before the tail's last tokens
+    drop_sorted = (before >= top_ps) & (top_ps < 1)
     return torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
 
 

@@ -12,7 +12,7 @@ from models.checkpoint import load_policy, stop_token_ids
 from models.engines.embedded import EmbeddedEngine
 from models.engines.types import GroupRequest, SamplingParams
 from models.logprobs import pack_sequences, token_logprobs
-from models.prompt import ChatTemplateError, Prompt, encode_prompt
+from models.prompt import ChatTemplateError, Prompt, PromptEncodings, encode_prompt, prompt_encodings
 from tasks.config.prompts import PromptsConfig
 from tasks.prompts.sources import PromptError, load_prompt_file
 from tasks.serving.engines import build_engine, load_tokenizer
@@ -98,6 +98,38 @@ def test_rendered_chat_ids_decode_to_the_rendered_text(chat_policy_dir):
     assert encode_prompt(tokenizer, plain) == ("2+2?", tuple(tokenizer("2+2?")["input_ids"]))
     with pytest.raises(ChatTemplateError, match="has no chat template; give its tokenizer_config.json"):
         encode_prompt(build_char_tokenizer(), prompt)
+
+
+def test_encodings_are_remembered_per_tokenizer_and_bounded(chat_policy_dir):
+    tokenizer = load_tokenizer(chat_policy_dir)
+    chat = Prompt("c", "math", "2+2?", "4", (("system", "Answer."), ("user", "2+2?")))
+    plain = [Prompt(f"p{i}", "math", f"{i}+{i}?", str(2 * i)) for i in range(4)]
+    remembered = prompt_encodings(tokenizer)
+    assert prompt_encodings(tokenizer) is remembered  # the next round finds this round's encodings
+    assert prompt_encodings(load_tokenizer(chat_policy_dir)) is not remembered  # another tokenizer: its own
+    for prompt in [chat, *plain, chat]:
+        assert remembered(prompt) == encode_prompt(tokenizer, prompt)
+    assert len(remembered) == 5
+
+    calls = []
+
+    class Counting:  # the tokenizer, counting its calls
+        chat_template = None
+
+        def __call__(self, text, **kwargs):
+            calls.append(text)
+            return tokenizer(text, **kwargs)
+
+    lengths = [len(encode_prompt(tokenizer, p)[1]) for p in plain]
+    bounded = PromptEncodings(Counting(), max_tokens=sum(lengths[:3]))
+    for prompt in plain[:3]:
+        bounded(prompt)
+    bounded(plain[0])  # a hit: the most recent now, so the next eviction takes plain[1]
+    bounded(plain[3])
+    assert calls == [p.text for p in plain]
+    bounded(plain[0]), bounded(plain[1])
+    assert calls[4:] == [plain[1].text]  # plain[0] stayed, plain[1] was dropped and encoded again
+    assert bounded._tokens <= bounded.max_tokens or len(bounded) == 1
 
 
 def test_stop_ids_are_the_tokenizers_and_the_generation_configs(chat_policy_dir, tiny_policy_dir):

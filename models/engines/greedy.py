@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from models.engines.types import GroupRequest, RolloutEngine, SamplingParams
-from models.prompt import Prompt, encode_prompt
+from models.prompt import Prompt, prompt_encodings
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -20,7 +20,8 @@ def greedy_completions(
 ) -> Iterator[tuple[Prompt, str, int]]:
     """(prompt, decoded completion, completion tokens) of each prompt's one greedy sample, in finish order."""
     params = SamplingParams(temperature=0.0, top_p=1.0, max_tokens=max_tokens, seed=0)
-    requests = [GroupRequest(p.prompt_id, encode_prompt(tokenizer, p)[1], 1, params) for p in prompts]
+    encode = prompt_encodings(tokenizer)  # the held-out set, every round
+    requests = [GroupRequest(p.prompt_id, encode(p)[1], 1, params) for p in prompts]
     by_id = {p.prompt_id: p for p in prompts}
     for sample in engine.generate(requests):
         yield (

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from transformers import PreTrainedTokenizerBase
 
 from models.engines.types import GroupRequest, RolloutEngine, SamplingParams
-from models.prompt import encode_prompt
+from models.prompt import prompt_encodings
 from storage.trajectories import TrajectoryRow
 from tasks.config.filter import FilterConfig
 from tasks.config.prompts import PromptsConfig
@@ -88,9 +88,10 @@ class RolloutCollection:
             rollout.temperature, rollout.top_p, rollout.max_tokens, seed, stop=tuple(rollout.stop)
         )
         self.skipped = 0  # prompts the curriculum passed over
-        # Prompts recur within a round and completions far more (a few distinct answers per prompt), so
-        # each distinct text is tokenized once and each distinct completion decoded once.
-        self._encoded: dict[tuple, tuple[str, tuple[int, ...]]] = {}
+        # Prompts recur within a round and across rounds, completions far more (a few distinct answers per
+        # prompt): each distinct prompt is tokenized once while the tokenizer lives, each distinct completion
+        # decoded once a round.
+        self._encode = prompt_encodings(tokenizer)
         self._decoded: dict[tuple[int, ...], str] = {}
 
     @property
@@ -110,10 +111,7 @@ class RolloutCollection:
                 if admitted(self.seed, position, weight):
                     break
                 self.skipped += 1
-            key = (prompt.text, prompt.messages)
-            if key not in self._encoded:
-                self._encoded[key] = encode_prompt(self.tokenizer, prompt)
-            text, ids = self._encoded[key]
+            text, ids = self._encode(prompt)
             if text != prompt.text:  # rendered through the chat template: rows store what the engine saw
                 prompt = replace(prompt, text=text)
             if self.max_context is not None and len(ids) + self.rollout.max_tokens > self.max_context:

@@ -2,6 +2,8 @@
 
 import json
 import os
+import subprocess
+import sys
 from datetime import UTC, datetime
 
 import pytest
@@ -73,6 +75,24 @@ def test_round_trip_keeps_every_column(root):
     assert back[0]["completion_token_ids"] == [7, 2] and back[0]["rollout_logprobs"] == [-0.25, -0.125]
     assert back[0]["engine"]["dtype"] == "float32" and back[0]["sampling"]["seed"] == 1
     assert {r["trajectory_version"] for r in back} == {manifest.version}
+
+
+def test_a_process_that_read_a_version_exits_cleanly(root):
+    """A threaded Parquet read makes pyarrow 25 and 26 abort the process at its exit, most times ('terminate called
+    without an active exception', exit 134): the store reads single-threaded (``PARQUET_READ_THREADS``)."""
+    manifest = _write(root, [make_row(g, i, float(i % 2)) for g in range(50) for i in range(4)])
+    script = (
+        "import sys\n"
+        "from storage.paths import StorageRoot\n"
+        "from storage.trajectories import read_manifest, read_table\n"
+        "root = StorageRoot.of(sys.argv[1])\n"
+        "print(read_table(root, read_manifest(root, sys.argv[2])).num_rows)\n"
+    )
+    for _ in range(6):  # with threaded reads, about half the exits abort here: six clean ones in a row rule that out
+        done = subprocess.run(
+            [sys.executable, "-c", script, root.uri, manifest.directory], capture_output=True, text=True, timeout=120
+        )
+        assert (done.returncode, done.stdout.strip()) == (0, "200"), done.stderr[-2000:]
 
 
 def test_same_content_same_version_and_listed(root):

@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 from models.builtin import BUILTIN_SOURCES
 from models.prompt import Prompt, Turn
 from storage.settings import filesystem_for
+from storage.trajectories import PARQUET_READ_THREADS
 from tasks.config.prompts import PromptsConfig
 
 
@@ -83,7 +84,7 @@ def _read_records(uri: str) -> list:
                             ) from None
             return records
         with fs.open(uri, "rb") as f:
-            return pq.read_table(f).to_pylist()
+            return pq.read_table(f, use_threads=PARQUET_READ_THREADS).to_pylist()
     except FileNotFoundError:
         raise PromptError(
             f"prompt file {uri} does not exist; set prompts.source to an existing .jsonl or .parquet file"

@@ -61,7 +61,9 @@ def round_dirs(root: str, run_id: str) -> dict[int, str]:
 def version_table(round_dir: str) -> pa.Table:
     """Every part of the round's committed version as one table (parts may differ in columns)."""
     (manifest,) = glob.glob(os.path.join(round_dir, "trajectories", "*", "manifest.json"))
-    tables = [pq.read_table(p) for p in sorted(glob.glob(os.path.join(os.path.dirname(manifest), "*.parquet")))]
+    parts = sorted(glob.glob(os.path.join(os.path.dirname(manifest), "*.parquet")))
+    # one thread: after a threaded read pyarrow 25 and 26 abort the process at exit (storage.trajectories)
+    tables = [pq.read_table(p, use_threads=False) for p in parts]
     table = pa.concat_tables(tables, promote_options="default")
     keys = [(k, "ascending") for k in ROW_KEY if k in table.column_names]
     return table.sort_by(keys)

@@ -369,20 +369,16 @@ def read_table(root: StorageRoot, manifest: Manifest, columns: Iterable[str] | N
 
 
 PARQUET_READ_THREADS = False
-"""Whether Parquet reads decode on Arrow's thread pool. Off: after a threaded read, pyarrow 25 and 26 (not 24)
-abort the process at its exit, often ('terminate called without an active exception', exit 134), which a campaign,
-a worker or a CLI command would report as a crash after its work was done. Reading a round's trainer columns
-single-threaded cost no measurable time in ``benchmarks/store.py`` (docs/performance.md, 2026-12-06)."""
+"""Off: after a threaded Parquet read pyarrow 25 and 26 often abort the process at exit (exit 134), its work done;
+one thread costs a round's reads nothing measurable (``benchmarks/store.py``; docs/performance.md, 2026-12-06)."""
 
 
 def parquet_table(blob: bytes, columns: Iterable[str] | None = None):
     """A Parquet file's rows in the current schema (``conform``); only ``columns`` are decoded."""
     wanted = list(columns) if columns else list(COLUMNS)
     present = set(pq.read_schema(pa.BufferReader(blob)).names)
-    table = pq.read_table(
-        pa.BufferReader(blob), columns=[c for c in wanted if c in present], use_threads=PARQUET_READ_THREADS
-    )
-    return conform(table, wanted)
+    decoded = [c for c in wanted if c in present]
+    return conform(pq.read_table(pa.BufferReader(blob), columns=decoded, use_threads=PARQUET_READ_THREADS), wanted)
 
 
 def read_attachment(root: StorageRoot, manifest: Manifest, name: str) -> bytes | None:

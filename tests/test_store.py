@@ -78,7 +78,7 @@ def test_round_trip_keeps_every_column(root):
 
 
 def test_a_process_that_read_a_version_exits_cleanly(root):
-    """A threaded Parquet read makes pyarrow 25 and 26 abort the process at its exit, most times ('terminate called
+    """A threaded Parquet read makes pyarrow 25 and 26 abort the process at its exit, often ('terminate called
     without an active exception', exit 134): the store reads single-threaded (``PARQUET_READ_THREADS``)."""
     manifest = _write(root, [make_row(g, i, float(i % 2)) for g in range(50) for i in range(4)])
     script = (

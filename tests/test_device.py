@@ -74,6 +74,16 @@ def test_cuda_without_a_gpu_fails_where_the_stage_starts(tiny_policy_dir, tmp_pa
     assert not (tmp_path / "data").exists()
 
 
+def test_a_base_built_on_the_cpu_records_the_kernels_it_ran(tmp_path):
+    """AVX2 and AVX-512 kernels round differently and build different bases: the base's lineage says which ran."""
+    from models.builtin.base_policy import build_base_policy
+    from models.builtin.recipe import BaseRecipe
+
+    meta = build_base_policy(str(tmp_path), BaseRecipe(max_steps=2, check_every=2, stop_at_accuracy=1.0), device="cpu")
+    capability = torch.backends.cpu.get_cpu_capability()
+    assert meta["trained_on"] == {"device": "cpu", "cpu_capability": capability} and capability
+
+
 def test_a_cpu_copy_of_the_state_keeps_tied_weights_tied(tmp_path):
     """What save_policy writes for a model on an accelerator: the same file a CPU model writes."""
     config = LlamaConfig(

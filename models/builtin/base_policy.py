@@ -1,13 +1,14 @@
 """The built-in base policies: tiny Llamas trained from scratch on a built-in task, stopped early on purpose.
 
-A deterministic recipe (fixed seeds, fixed thread count, fixed data order) so that every machine
-builds the same starting point, and RL has headroom: the recipe stops at roughly 40% greedy held-out
+A deterministic recipe (fixed seeds, fixed thread count, fixed data order) so that every machine of one
+kind builds the same starting point, and RL has headroom: the recipe stops at roughly 40% greedy held-out
 accuracy. Which task and recipe: ``models.builtin``. ``python -m models.builtin.base_policy OUT_DIR [BASE]``
 builds one by hand (BASE: 'builtin', the default, 'builtin-longtail' or 'builtin-tooladd').
 
 A base trains on the device it is given (a campaign's ``device``) and is saved from CPU tensors. Built on the
-CPU it is the same bit for bit on every machine; built on a GPU it is a different (equally good) starting
-point, and its lineage.json says where it was trained (``trained_on``).
+CPU it is the same bit for bit on every CPU with the same vector extensions (torch's AVX2 and AVX-512 kernels
+round differently and build different bases); built on a GPU it is a different (equally good) starting point.
+Its lineage.json says where it was trained (``trained_on``: the device and, on a CPU, torch's kernel level).
 """
 
 from __future__ import annotations
@@ -76,6 +77,12 @@ def build_base_policy(
         set_threads(previous_threads)
 
 
+def cpu_kernels(device: torch.device) -> dict[str, str]:
+    """On a CPU, the vector kernels torch runs there ('AVX2', 'AVX512', ...): two CPUs of one level build the same
+    base bit for bit, two of different levels another. Nothing on a GPU."""
+    return {"cpu_capability": torch.backends.cpu.get_cpu_capability()} if device.type == "cpu" else {}
+
+
 def _build(out_dir: str, recipe: BaseRecipe, progress, start: float, task: BuiltinTask, device: torch.device) -> dict:
     torch.manual_seed(recipe.seed)
     tokenizer = build_char_tokenizer(task.characters)
@@ -128,7 +135,7 @@ def _build(out_dir: str, recipe: BaseRecipe, progress, start: float, task: Built
         "recipe_version": task.recipe_version,
         "recipe": asdict(recipe),
         "parameters": sum(p.numel() for p in model.parameters()),
-        "trained_on": {"device": device.type},
+        "trained_on": {"device": device.type, **cpu_kernels(device)},
         "steps": steps,
         "validation_accuracy": val_accuracy,
         "held_out_accuracy": accuracy,

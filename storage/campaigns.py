@@ -55,15 +55,20 @@ class Owner:
 _HELD: set[str] = set()  # tokens this process holds; released when its campaign flow ends
 
 
+def _stat_fields(pid: int) -> list[str] | None:
+    """/proc/PID/stat's fields after the name (the state first); None where there is no such file."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()  # the name before ")" may hold spaces
+    except OSError:
+        return None
+
+
 def process_started(pid: int) -> str | None:
     """A running process's start time (clock ticks since boot), so a reused pid is never taken for the
     process it replaced; None when no such process runs (a zombie has exited)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()  # the name before ")" may hold spaces
-    except OSError:
-        return None
-    if len(fields) < 20 or fields[0] == "Z":  # fields[0] is the state, fields[19] field 22, starttime
+    fields = _stat_fields(pid)
+    if fields is None or len(fields) < 20 or fields[0] == "Z":  # fields[0] is the state, fields[19] field 22, starttime
         return None
     return fields[19]
 
@@ -87,6 +92,9 @@ def owner_alive(owner: Owner) -> bool | None:
         return False
     except PermissionError:
         pass  # exists, under another user
+    fields = _stat_fields(owner.pid)
+    if fields and fields[0] == "Z":
+        return False  # it exited; nobody has reaped it (an orphan where the init process does not reap)
     started = process_started(owner.pid)
     return not (owner.pid_started and started and started != owner.pid_started)
 

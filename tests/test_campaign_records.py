@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -139,6 +140,20 @@ def test_a_resume_arriving_just_after_a_takeover_finds_its_owner_alive(tmp_path,
     assert late and first.generation == 1
     assert current_owner(root, "r1", json.load(open(root.campaign_file("r1")))) == first
     release(first)
+
+
+def test_an_owner_that_exited_unreaped_is_not_alive():
+    """A zombie still answers kill(pid, 0); it is a campaign that ended, not one running."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        deadline = time.monotonic() + 30
+        while process_started(child.pid) is not None:  # running, then a zombie: this test has not reaped it
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert owner_alive(Owner("t", child.pid, socket.gethostname(), "1", 0, 0.0)) is False
+    finally:
+        child.wait()
+    assert owner_alive(Owner("t", os.getppid(), socket.gethostname(), process_started(os.getppid()), 0, 0.0))
 
 
 def test_an_owner_on_another_host_needs_takeover_and_the_old_owner_stops(tmp_path):

@@ -9,6 +9,7 @@ MLflow model version names the flow run that made it. Every process started here
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -43,8 +44,38 @@ def _prefect(env: dict, *args: str, timeout: float = 300) -> str:
     return done.stdout
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every living process below ``pid`` (by /proc's parent ids), whatever session it started."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
 def _stop(process: subprocess.Popen) -> None:
-    """Stop a process this suite started and everything it started (its own process group)."""
+    """Stop a process this suite started and everything it started: its process group, and the processes below it
+    that left the group (a Prefect worker starts each flow run in a session of its own)."""
+    below = _descendants(process.pid)  # before the kill: orphans are re-parented and the tree is lost
     if process.poll() is None:
         os.killpg(process.pid, signal.SIGTERM)
         try:
@@ -52,6 +83,14 @@ def _stop(process: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait(timeout=30)
+    for pid in below:
+        if not _gone(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while not all(_gone(pid) for pid in below):
+        assert time.monotonic() < deadline, f"processes {below} outlived the kill"
+        time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")

@@ -368,9 +368,7 @@ def read_table(root: StorageRoot, manifest: Manifest, columns: Iterable[str] | N
     )
 
 
-PARQUET_READ_THREADS = False
-"""Off: after a threaded Parquet read pyarrow 25 and 26 often abort the process at exit (exit 134), its work done;
-one thread costs a round's reads nothing measurable (``benchmarks/store.py``; docs/performance.md, 2026-12-06)."""
+PARQUET_READ_THREADS = False  # pyarrow 25/26 often abort at exit after a threaded read; docs/performance.md 2026-12-06
 
 
 def parquet_table(blob: bytes, columns: Iterable[str] | None = None):

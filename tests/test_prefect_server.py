@@ -65,11 +65,9 @@ def _descendants(pid: int) -> list[int]:
 
 
 def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
+    from storage.campaigns import process_started
+
+    return process_started(pid) is None  # exited, or a zombie
 
 
 def _stop(process: subprocess.Popen) -> None:

@@ -108,6 +108,7 @@ def server(tmp_path_factory, seed_builtin_base):
         "PREFECT_SERVER_API_HOST": "127.0.0.1",
         "PREFECT_SERVER_API_PORT": str(port),
         "PREFECT_LOGGING_LEVEL": "INFO",
+        "PREFECT_WORKER_QUERY_SECONDS": "2",  # each deployment run is picked up within 2 s, not 10
         "PYTHONPATH": REPO,
         "RLROUNDS_HOME": REPO,
         "RLROUNDS_STORAGE": storage,
@@ -376,10 +377,11 @@ def test_a_killed_worker_and_a_rerun_with_the_same_run_id_continue_the_campaign(
     from storage.paths import StorageRoot
     from storage.trajectories import list_manifests
 
-    # Verifications wait on a simulated environment, so round 2 lasts several seconds: a round of ROUND alone
-    # can end inside the poll below, and the kill would find the campaign completed (at a 0.3 s median it
-    # did, once, after the module's other tests had run).
-    slow = {**ROUND, "verify": {"simulated_environment": {"median_latency_s": 2.0, "p99_over_median": 1.5}}}
+    # Verifications wait on a simulated environment, so round 2 lasts long enough (about half a minute on 2
+    # cores) for the poll below to see round 1 committed and the kill to land inside round 2; a round that
+    # ended first would leave the first run Completed, and the state check below would fail. (A 2 s median
+    # made each round of this test wait two minutes on the environment, and the re-run waits again.)
+    slow = {**ROUND, "verify": {"simulated_environment": {"median_latency_s": 0.5, "p99_over_median": 1.5}}}
     parameters = {"config": {"rounds": 2, "run_id": "srv-kill", "round": slow}}
     first = run_deployment("rl-campaign/campaign", parameters=parameters, timeout=0)
     root = StorageRoot.of(server["storage"])

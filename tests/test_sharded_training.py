@@ -216,6 +216,7 @@ def _load_both_ways(rank: int, path: str, address: str, out: str) -> None:
         ids = torch.tensor([[1, 5, 7, 9, 3, 4]])
         logits = [m(input_ids=ids).logits.detach() for m in (loaded, built)]
         weights = [full_weights(m) for m in (loaded, built)]
+        dist.barrier()  # as Worker.leave: a rank that tears its gloo connections down first can abort (SIGABRT)
     finally:
         dist.destroy_process_group()
     with open(f"{out}/{rank}.pkl", "wb") as f:

@@ -3,8 +3,8 @@ OMP_WAIT_POLICY=PASSIVE (.ci/run).
 
 Each job is the built-in base recipe for ``--steps`` steps (models/builtin/base_policy.py), which fixes two
 threads whatever the environment says. Timed, in one run:
-- one job alone, the environment as it is;
-- two jobs at once, the environment as it is (OpenMP's default: a waiting thread spins);
+- one job alone, at OpenMP's defaults (OMP_NUM_THREADS and OMP_WAIT_POLICY taken out of the environment);
+- two jobs at once, at OpenMP's defaults (a waiting thread spins);
 - two jobs at once under OMP_NUM_THREADS=1 and OMP_WAIT_POLICY=PASSIVE (a waiting thread sleeps).
 Two jobs that shared the cores fairly would each take about twice the lone job on a 2-core machine; the
 ratios printed are each pair's slower job against the lone one.
@@ -22,7 +22,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB = """
-import sys, tempfile, time
+import tempfile, time
 from models.builtin.base_policy import build_base_policy
 from models.builtin.recipe import BaseRecipe
 start = time.perf_counter()
@@ -33,7 +33,8 @@ print(time.perf_counter() - start)
 
 def run_jobs(count: int, steps: int, env: dict) -> list[float]:
     """Start ``count`` jobs together; each one's seconds, from its own clock (start-up left out)."""
-    env = {**os.environ, "PYTHONPATH": REPO, **env}
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
+    env = {**base, "PYTHONPATH": REPO, **env}
     jobs = [
         subprocess.Popen(
             [sys.executable, "-c", JOB.format(steps=steps)], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL

@@ -5,7 +5,7 @@ chunks of similar length, measured in one run.
     python benchmarks/train_step.py --storage DIR [--groups 128] [--samples 4] [--repeats 5] [--json PATH]
     python benchmarks/train_step.py --storage DIR --run-id RUN --round K [--repeats 5] [--json PATH]
     python benchmarks/train_step.py --storage DIR --run-id RUN --round K --policy-update [--profile] [--repeats 3]
-                                  [--compile mlp-norms|layers]
+                                  [--compile mlp-norms|layers] [--precision fp32|bf16|bf16-weights]
 
 DIR is a storage root; the built-in base is built there on first use and reused after. A minibatch
 is sampled by the embedded engine from the base (``--groups`` prompts x ``--samples`` samples, by
@@ -28,6 +28,10 @@ autograd's backward nodes and the optimizer's step (the rest: elementwise ops, c
 times the eager update against one with each decoder layer's MLP and norms (``mlp-norms``) or each whole layer
 (``layers``) under ``torch.compile(dynamic=True)``, interleaved, after one compiling update; the compiled update's
 numbers differ from the eager one's in the last bits, so a gain there is a learning-speed question, not a bitwise one.
+``--precision bf16-weights`` first times, interleaved, the update on the float32 weights against the same update on a
+bfloat16 copy (forward, backward and the optimizer's step all in bfloat16, no casts around the products), without and
+with the proximal logprobs recomputed: the ceiling of a bfloat16 working copy of the weights on this CPU, which
+leaves out the copies to and from float32 master weights and what bfloat16's rounding does to learning.
 """
 
 from __future__ import annotations
@@ -51,7 +55,13 @@ def main() -> None:
     parser.add_argument("--round", type=int, help="with --run-id: the round whose rows are scored")
     parser.add_argument("--policy-update", action="store_true", help="time round --round's whole update")
     parser.add_argument("--profile", action="store_true", help="with --policy-update: torch.profiler's table")
-    parser.add_argument("--precision", default="fp32", help="with --policy-update: fp32, or bf16 autocast")
+    parser.add_argument(
+        "--precision",
+        choices=["fp32", "bf16", "bf16-weights"],
+        default="fp32",
+        help="with --policy-update: fp32, bf16 autocast, or also the same update on a bfloat16 copy of the weights "
+        "against the fp32 one, interleaved (bf16-weights)",
+    )
     parser.add_argument(
         "--compile",
         choices=["none", "mlp-norms", "layers"],
@@ -189,18 +199,38 @@ def policy_update(args) -> None:
     batches = minibatches(rows, config.groups_per_step, config.steps_per_round, config.seed)
     plan = proximal_plan(config.recompute_proximal, "float32", [r["engine"] for r in rows], batches, args.round - 1)
 
-    def update(parts: str = "none") -> dict:
-        model, tokenizer = load_policy(parent, dtype="float32")
+    precision = "fp32" if args.precision == "bf16-weights" else args.precision
+
+    def update(parts: str = "none", dtype: str = "float32", recompute: list[bool] = plan) -> dict:
+        model, tokenizer = load_policy(parent, dtype=dtype)
         compile_parts(model, parts)
-        state = load_optimizer(parent, model)
+        state = load_optimizer(parent, model)  # its moments take the parameters' dtype
         start = time.perf_counter()
         _, stats = train_policy(
             model, tokenizer.pad_token_id, batches, config=config, temperature=1.0, optimizer=state,
-            current_version=args.round - 1, recompute=plan, precision=args.precision,
+            current_version=args.round - 1, recompute=recompute, precision=precision,
         )  # fmt: skip
         return {"seconds": time.perf_counter() - start, "steps": stats["train/steps"]}
 
     update()  # warm-up
+    if args.precision == "bf16-weights":
+        # Rows sampled at float32 scored on bfloat16 weights differ from their behaviour logprobs by the weights'
+        # rounding, so such an update would recompute its proximal logprobs (needs_proximal): timed both ways.
+        recomputed = [True] * len(batches)
+        update(dtype="bfloat16")  # warm-up
+        runs = [(update(), update(dtype="bfloat16"), update(dtype="bfloat16", recompute=recomputed))
+                for _ in range(args.repeats)]  # fmt: skip
+        # per optimizer step: the drift limit may stop them after different numbers of steps
+        fp32, bf16, bf16_proximal = (
+            statistics.median(run[i]["seconds"] / run[i]["steps"] for run in runs) for i in range(3)
+        )
+        print(
+            f"round {args.round}, ms a step, medians of {args.repeats} interleaved: fp32 weights {fp32 * 1e3:.1f} "
+            f"({runs[0][0]['steps']} steps); bfloat16 weights {bf16 * 1e3:.1f} ({runs[0][1]['steps']} steps), "
+            f"{bf16 / fp32:.2f}x the time; with the proximal logprobs recomputed {bf16_proximal * 1e3:.1f} "
+            f"({runs[0][2]['steps']} steps), {bf16_proximal / fp32:.2f}x (as the round ran, {sum(plan)} of "
+            f"{len(plan)} minibatches recompute them)"
+        )
     if args.compile != "none":
         first = update(args.compile)  # compiles
         print(f"compiled ({args.compile}): first update {first['seconds']:.3f} s, compilation included")

@@ -1,7 +1,7 @@
 """Learning speed: the default campaign, timed to a held-out accuracy.
 
     python benchmarks/learning_speed.py [--storage DIR] [--target 0.9] [--rounds N] [--stop-at-target]
-                                        [--baseline-config FILE] [--device auto] [--json PATH]
+                                        [--baseline-config FILE] [--seeds 0,1,2] [--device auto] [--json PATH]
 
 Runs the campaign `rlrounds run` runs (the embedded default, or ``--config``/``--preset`` laid over it)
 through its Prefect flow, judged on the full held-out set with greedy decoding at serving precision,
@@ -22,6 +22,11 @@ figures describe the starvation, not the pool.
 ``--baseline-config FILE`` runs a second campaign, laid over the same defaults with FILE, in the same
 process right after, and prints the ratios: the way to compare a change of defaults on a noisy machine.
 The base is built once under --storage and reused by both.
+
+``--seeds 0,1,2`` runs every campaign once per seed (``round.seed``: prompt order and sampling), the baseline right
+after the campaign of the same seed, and ends with the pairs side by side and the median of their ratios. One seed's
+rounds to target move by a round or two with the seed alone, so a ratio from one seed says little about a change
+that alters what is sampled or trained; a change of speed alone leaves the rounds as they were and needs one seed.
 """
 
 from __future__ import annotations
@@ -31,6 +36,39 @@ import json
 import os
 import statistics
 import time
+
+
+def paired(campaigns: list[dict], baselines: list[dict]) -> dict:
+    """Seed by seed, baseline seconds to target over the campaign's (None where either missed the target), and
+    the median of the ratios that exist, with the rounds and updates to target of both sides."""
+    ratios = [
+        None
+        if not (c["seconds_to_target"] and b["seconds_to_target"])
+        else b["seconds_to_target"] / c["seconds_to_target"]
+        for c, b in zip(campaigns, baselines, strict=True)
+    ]
+    present = [r for r in ratios if r is not None]
+    return {
+        "ratios": ratios,
+        "median_ratio": statistics.median(present) if present else None,
+        "campaign_rounds": [c["rounds_to_target"] for c in campaigns],
+        "baseline_rounds": [b["rounds_to_target"] for b in baselines],
+        "campaign_updates": [c["updates_to_target"] for c in campaigns],
+        "baseline_updates": [b["updates_to_target"] for b in baselines],
+    }
+
+
+def show_pairs(seeds: list[int], pairs: dict) -> None:
+    def of(values: list) -> str:
+        return " ".join("-" if v is None else str(v) for v in values)
+
+    print(f"seeds {of(seeds)}: rounds to target, campaign {of(pairs['campaign_rounds'])}, "
+          f"baseline {of(pairs['baseline_rounds'])}; updates, campaign {of(pairs['campaign_updates'])}, "
+          f"baseline {of(pairs['baseline_updates'])}")  # fmt: skip
+    ratios = " ".join("-" if r is None else f"{r:.2f}x" for r in pairs["ratios"])
+    median = pairs["median_ratio"]
+    median = "none: no seed reached the target on both sides" if median is None else f"{median:.2f}x"
+    print(f"seconds to target, baseline / campaign, seed by seed: {ratios}; median {median}")
 
 
 def round_metrics(storage: str, experiment: str, run_id: str) -> list[dict[str, float]]:
@@ -53,7 +91,7 @@ def round_metrics(storage: str, experiment: str, run_id: str) -> list[dict[str, 
 def run_campaign(config, storage: str, target: float, label: str) -> dict:
     from flows.campaign import new_run_id, rl_campaign
 
-    config = config.model_copy(update={"run_id": f"speed-{label}-{new_run_id()}"})
+    config = config.model_copy(update={"run_id": f"speed-{label.replace(' ', '-')}-{new_run_id()}"})
     start = time.perf_counter()
     result = rl_campaign(config=config, storage=storage, resume=False)
     wall = time.perf_counter() - start
@@ -127,6 +165,7 @@ def show(f: dict) -> None:
             f"[{f['label']}] up to the target: groups generated {f['generated_groups_to_target']:.0f}, "
             f"kept {f['kept_groups_to_target']:.0f}"
         )
+    print(f"[{f['label']}] held-out accuracy by round: " + " ".join(f"{a:.1%}" for a in f["accuracy_by_round"]))
     print(
         f"[{f['label']}] generated per kept, by round: "
         + " ".join(f"{x:.2f}" for x in f["generated_per_kept_by_round"])
@@ -150,6 +189,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, help="rounds (default: the campaign's)")
     parser.add_argument("--stop-at-target", action="store_true", help="end each campaign at the target")
     parser.add_argument("--baseline-config", help="also run the campaign with this file laid over the defaults")
+    parser.add_argument(
+        "--seeds",
+        help="comma-separated round.seed values: every campaign once per seed, the pairs compared "
+        "(default: one campaign at the config's seed)",
+    )
     parser.add_argument("--device", help="round.device: auto, cpu, cuda or cuda:N (default: the config's, auto)")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
@@ -169,6 +213,44 @@ def main() -> None:
             config = config.model_copy(update={"round": config.round.model_copy(update={"device": args.device})})
         return config.model_copy(update={"stop_at_accuracy": args.target if args.stop_at_target else None})
 
+    if args.seeds:
+        out = by_seed(args, config_of)
+    else:
+        out = one_pair(args, config_of)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+
+
+def seeds_of(text: str) -> list[int]:
+    try:
+        seeds = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise SystemExit(f"--seeds takes comma-separated integers such as 0,1,2, not {text!r}") from None
+    if len(set(seeds)) != len(seeds):
+        raise SystemExit(f"--seeds names a seed twice: {text!r}")
+    return seeds
+
+
+def by_seed(args, config_of) -> dict:
+    """Every campaign once per seed, each baseline right after the campaign of its seed."""
+    seeds = seeds_of(args.seeds)
+    sides = [("campaign", args.config)] + ([("baseline", args.baseline_config)] if args.baseline_config else [])
+    runs: dict[str, list[dict]] = {label: [] for label, _ in sides}
+    for seed in seeds:
+        for label, path in sides:
+            config = config_of(path)
+            config = config.model_copy(update={"round": config.round.model_copy(update={"seed": seed})})
+            runs[label].append(run_campaign(config, args.storage, args.target, f"{label} seed {seed}"))
+            show(runs[label][-1])
+    out: dict = {"seeds": seeds, **runs}
+    if args.baseline_config:
+        out["pairs"] = paired(runs["campaign"], runs["baseline"])
+        show_pairs(seeds, out["pairs"])
+    return out
+
+
+def one_pair(args, config_of) -> dict:
     figures = run_campaign(config_of(args.config), args.storage, args.target, "campaign")
     show(figures)
     out: dict = dict(figures)
@@ -179,9 +261,7 @@ def main() -> None:
         if figures["seconds_to_target"] and baseline["seconds_to_target"]:
             out["baseline_over_campaign"] = baseline["seconds_to_target"] / figures["seconds_to_target"]
             print(f"seconds to target, baseline / campaign: {out['baseline_over_campaign']:.2f}x")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+    return out
 
 
 if __name__ == "__main__":

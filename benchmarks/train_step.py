@@ -6,6 +6,7 @@ chunks of similar length, measured in one run.
     python benchmarks/train_step.py --storage DIR --run-id RUN --round K [--repeats 5] [--json PATH]
     python benchmarks/train_step.py --storage DIR --run-id RUN --round K --policy-update [--profile] [--repeats 3]
                                   [--compile mlp-norms|layers] [--precision fp32|bf16|bf16-weights]
+                                  [--attention default|math]
 
 DIR is a storage root; the built-in base is built there on first use and reused after. A minibatch
 is sampled by the embedded engine from the base (``--groups`` prompts x ``--samples`` samples, by
@@ -32,6 +33,9 @@ numbers differ from the eager one's in the last bits, so a gain there is a learn
 bfloat16 copy (forward, backward and the optimizer's step all in bfloat16, no casts around the products), without and
 with the proximal logprobs recomputed: the ceiling of a bfloat16 working copy of the weights on this CPU, which
 leaves out the copies to and from float32 master weights and what bfloat16's rounding does to learning.
+``--attention math`` runs every timed update's attention on torch's math backend (products and a softmax) instead of
+the kernel ``scaled_dot_product_attention`` picks (flash attention on a CPU), whose bfloat16 path can be slower than
+its float32 one; the two backends agree to float rounding.
 """
 
 from __future__ import annotations
@@ -61,6 +65,12 @@ def main() -> None:
         default="fp32",
         help="with --policy-update: fp32, bf16 autocast, or also the same update on a bfloat16 copy of the weights "
         "against the fp32 one, interleaved (bf16-weights)",
+    )
+    parser.add_argument(
+        "--attention",
+        choices=["default", "math"],
+        default="default",
+        help="with --policy-update: the attention backend of every timed update: torch's choice or the math one",
     )
     parser.add_argument(
         "--compile",
@@ -176,6 +186,15 @@ def main() -> None:
             json.dump({**figures, "set_num_threads": threads}, f, indent=2)
 
 
+def attention_backend(name: str):
+    """The context every timed update runs in: torch's own choice of attention kernel, or its math backend."""
+    import contextlib
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return contextlib.nullcontext() if name == "default" else sdpa_kernel(SDPBackend.MATH)
+
+
 def policy_update(args) -> None:
     """Time (and with ``--profile``, profile) round ``args.round``'s whole update, as the train stage runs it."""
     import torch
@@ -205,12 +224,13 @@ def policy_update(args) -> None:
         model, tokenizer = load_policy(parent, dtype=dtype)
         compile_parts(model, parts)
         state = load_optimizer(parent, model)  # its moments take the parameters' dtype
-        start = time.perf_counter()
-        _, stats = train_policy(
-            model, tokenizer.pad_token_id, batches, config=config, temperature=1.0, optimizer=state,
-            current_version=args.round - 1, recompute=recompute, precision=precision,
-        )  # fmt: skip
-        return {"seconds": time.perf_counter() - start, "steps": stats["train/steps"]}
+        with attention_backend(args.attention):
+            start = time.perf_counter()
+            _, stats = train_policy(
+                model, tokenizer.pad_token_id, batches, config=config, temperature=1.0, optimizer=state,
+                current_version=args.round - 1, recompute=recompute, precision=precision,
+            )  # fmt: skip
+            return {"seconds": time.perf_counter() - start, "steps": stats["train/steps"]}
 
     update()  # warm-up
     if args.precision == "bf16-weights":

@@ -48,3 +48,22 @@ def test_mlp_norms_compiles_those_parts_and_keeps_the_logits(benches):
     with torch.no_grad():
         again = model(input_ids=ids).logits
     torch.testing.assert_close(again, eager, rtol=1e-4, atol=1e-5)
+
+
+def attention_kernels(model, ids) -> tuple[torch.Tensor, set[str]]:
+    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        logits = model(input_ids=ids).logits
+    return logits, {e.key for e in prof.key_averages() if "attention" in e.key}
+
+
+def test_math_attention_swaps_the_kernel_and_keeps_the_logits(benches):
+    train_step, engine = benches
+    model, _ = engine.build_model()
+    ids = torch.arange(3, 15).unsqueeze(0)
+    with train_step.attention_backend("default"):
+        default, default_kernels = attention_kernels(model, ids)
+    with train_step.attention_backend("math"):
+        math, math_kernels = attention_kernels(model, ids)
+    assert any("flash" in k for k in default_kernels), default_kernels
+    assert not any("flash" in k for k in math_kernels), math_kernels
+    torch.testing.assert_close(math, default, rtol=1e-4, atol=1e-5)

@@ -35,7 +35,8 @@ with the proximal logprobs recomputed: the ceiling of a bfloat16 working copy of
 leaves out the copies to and from float32 master weights and what bfloat16's rounding does to learning.
 ``--attention math`` runs every timed update's attention on torch's math backend (products and a softmax) instead of
 the kernel ``scaled_dot_product_attention`` picks (flash attention on a CPU), whose bfloat16 path can be slower than
-its float32 one; the two backends agree to float rounding.
+its float32 one; the two backends agree to float rounding. With ``--precision bf16-weights`` the float32 update on
+torch's own kernel is then timed in the same interleaving, as the base the others are read against.
 """
 
 from __future__ import annotations
@@ -220,11 +221,13 @@ def policy_update(args) -> None:
 
     precision = "fp32" if args.precision == "bf16-weights" else args.precision
 
-    def update(parts: str = "none", dtype: str = "float32", recompute: list[bool] = plan) -> dict:
+    def update(
+        parts: str = "none", dtype: str = "float32", recompute: list[bool] = plan, attention: str = args.attention
+    ) -> dict:
         model, tokenizer = load_policy(parent, dtype=dtype)
         compile_parts(model, parts)
         state = load_optimizer(parent, model)  # its moments take the parameters' dtype
-        with attention_backend(args.attention):
+        with attention_backend(attention):
             start = time.perf_counter()
             _, stats = train_policy(
                 model, tokenizer.pad_token_id, batches, config=config, temperature=1.0, optimizer=state,
@@ -238,7 +241,10 @@ def policy_update(args) -> None:
         # rounding, so such an update would recompute its proximal logprobs (needs_proximal): timed both ways.
         recomputed = [True] * len(batches)
         update(dtype="bfloat16")  # warm-up
-        runs = [(update(), update(dtype="bfloat16"), update(dtype="bfloat16", recompute=recomputed))
+        # on another backend, today's update (float32, torch's own kernel) is timed beside them as the base
+        today = args.attention != "default"
+        runs = [(update(), update(dtype="bfloat16"), update(dtype="bfloat16", recompute=recomputed),
+                 update(attention="default") if today else None)
                 for _ in range(args.repeats)]  # fmt: skip
         # per optimizer step: the drift limit may stop them after different numbers of steps
         fp32, bf16, bf16_proximal = (
@@ -251,6 +257,14 @@ def policy_update(args) -> None:
             f"({runs[0][2]['steps']} steps), {bf16_proximal / fp32:.2f}x (as the round ran, {sum(plan)} of "
             f"{len(plan)} minibatches recompute them)"
         )
+        if today:
+            base = statistics.median(run[3]["seconds"] / run[3]["steps"] for run in runs)
+            print(
+                f"against today's update (float32 weights, torch's own attention kernel) at {base * 1e3:.1f} ms a "
+                f"step, interleaved with them: float32 weights on the {args.attention} backend {fp32 / base:.2f}x the "
+                f"time, bfloat16 weights {bf16 / base:.2f}x, with the proximal logprobs recomputed "
+                f"{bf16_proximal / base:.2f}x"
+            )
     if args.compile != "none":
         first = update(args.compile)  # compiles
         print(f"compiled ({args.compile}): first update {first['seconds']:.3f} s, compilation included")

@@ -24,9 +24,10 @@ process right after, and prints the ratios: the way to compare a change of defau
 The base is built once under --storage and reused by both.
 
 ``--seeds 0,1,2`` runs every campaign once per seed (``round.seed``: prompt order and sampling), the baseline right
-after the campaign of the same seed, and ends with the pairs side by side and the median of their ratios. One seed's
-rounds to target move by a round or two with the seed alone, so a ratio from one seed says little about a change
-that alters what is sampled or trained; a change of speed alone leaves the rounds as they were and needs one seed.
+after the campaign of the same seed, and ends with the pairs side by side and the median of their ratios. The seed alone
+moves the default campaign's rounds to 90% by up to three (docs/performance.md), so a ratio from one seed says little
+about a change that alters what is sampled or trained; a change of speed alone leaves the rounds as they were and
+needs one seed.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ The base is built once under --storage and reused by both.
 
 ``--seeds 0,1,2`` runs every campaign once per seed (``round.seed``: prompt order and sampling), the baseline right
 after the campaign of the same seed, and ends with the pairs side by side and the median of their ratios. The seed alone
-moves the default campaign's rounds to 90% by up to three (docs/performance.md), so a ratio from one seed says little
+moves the default campaign's rounds to 90% by up to four (docs/performance.md), so a ratio from one seed says little
 about a change that alters what is sampled or trained; a change of speed alone leaves the rounds as they were and
 needs one seed.
 """

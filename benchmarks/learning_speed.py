@@ -24,7 +24,8 @@ process right after, and prints the ratios: the way to compare a change of defau
 The base is built once under --storage and reused by both.
 
 ``--seeds 0,1,2`` runs every campaign once per seed (``round.seed``: prompt order and sampling), the baseline right
-after the campaign of the same seed, and ends with the pairs side by side and the median of their ratios. The seed alone
+after the campaign of the same seed, and prints the pairs side by side and the median of their ratios after every seed
+(``--json`` is rewritten then too, so a comparison stopped early keeps the seeds it finished). The seed alone
 moves the default campaign's rounds to 90% by up to four (docs/performance.md), so a ratio from one seed says little
 about a change that alters what is sampled or trained; a change of speed alone leaves the rounds as they were and
 needs one seed.
@@ -37,6 +38,7 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable
 
 
 def paired(campaigns: list[dict], baselines: list[dict]) -> dict:
@@ -214,13 +216,18 @@ def main() -> None:
             config = config.model_copy(update={"round": config.round.model_copy(update={"device": args.device})})
         return config.model_copy(update={"stop_at_accuracy": args.target if args.stop_at_target else None})
 
-    if args.seeds:
-        out = by_seed(args, config_of)
-    else:
-        out = one_pair(args, config_of)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+    def save(out: dict) -> None:
+        if args.json:
+            write_json(args.json, out)
+
+    save(by_seed(args, config_of, save) if args.seeds else one_pair(args, config_of))
+
+
+def write_json(path: str, out: dict) -> None:
+    """``out`` at ``path``, replaced whole (a stop midway leaves the previous figures, never half a file)."""
+    with open(f"{path}.tmp", "w") as f:
+        json.dump(out, f, indent=2)
+    os.replace(f"{path}.tmp", path)
 
 
 def seeds_of(text: str) -> list[int]:
@@ -233,21 +240,26 @@ def seeds_of(text: str) -> list[int]:
     return seeds
 
 
-def by_seed(args, config_of) -> dict:
-    """Every campaign once per seed, each baseline right after the campaign of its seed."""
+def by_seed(args, config_of, save: Callable[[dict], None] | None = None) -> dict:
+    """Every campaign once per seed, each baseline right after the campaign of its seed. After every seed the pairs
+    so far are printed and the figures so far handed to ``save``: a dozen seeds take the best part of an hour, and a
+    comparison stopped early keeps the seeds it finished."""
     seeds = seeds_of(args.seeds)
     sides = [("campaign", args.config)] + ([("baseline", args.baseline_config)] if args.baseline_config else [])
     runs: dict[str, list[dict]] = {label: [] for label, _ in sides}
-    for seed in seeds:
+    out: dict = {}
+    for done, seed in enumerate(seeds, start=1):
         for label, path in sides:
             config = config_of(path)
             config = config.model_copy(update={"round": config.round.model_copy(update={"seed": seed})})
             runs[label].append(run_campaign(config, args.storage, args.target, f"{label} seed {seed}"))
             show(runs[label][-1])
-    out: dict = {"seeds": seeds, **runs}
-    if args.baseline_config:
-        out["pairs"] = paired(runs["campaign"], runs["baseline"])
-        show_pairs(seeds, out["pairs"])
+        out = {"seeds": seeds[:done], "seeds_planned": seeds, **runs}
+        if args.baseline_config:
+            out["pairs"] = paired(runs["campaign"], runs["baseline"])
+            show_pairs(seeds[:done], out["pairs"])
+        if save is not None:
+            save(out)
     return out
 
 

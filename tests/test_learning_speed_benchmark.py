@@ -4,6 +4,7 @@ the target, and seed lists it refuses before any campaign starts."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 
 import pytest
@@ -49,3 +50,37 @@ def test_bad_seed_lists_are_refused(bench, text, message):
     with pytest.raises(SystemExit, match=message):
         bench.seeds_of(text)
     assert bench.seeds_of("3,0,12") == [3, 0, 12]
+
+
+def test_a_comparison_stopped_midway_keeps_the_seeds_it_finished(bench, monkeypatch, tmp_path, capsys):
+    """The figures after every seed reach --json; a stop during the third seed leaves the first two's pairs. The
+    campaigns are stood in for: what is under test is the benchmark's bookkeeping, which a campaign takes minutes
+    to exercise."""
+    from argparse import Namespace
+
+    from flows.config import load_campaign_config
+
+    seen = []
+
+    def campaign(config, storage, target, label):
+        seen.append((label, config.round.seed))
+        if config.round.seed == 5:
+            raise KeyboardInterrupt
+        rounds = 13 if label.startswith("campaign") else 15
+        return figures(float(rounds * 7), rounds, rounds * 32)
+
+    monkeypatch.setattr(bench, "run_campaign", campaign)
+    monkeypatch.setattr(bench, "show", lambda figures: None)
+    path = str(tmp_path / "pairs.json")
+    args = Namespace(seeds="3,4,5", config=None, baseline_config="b.yaml", storage=str(tmp_path), target=0.9)
+    with pytest.raises(KeyboardInterrupt):
+        bench.by_seed(args, lambda _: load_campaign_config(None, None), lambda out: bench.write_json(path, out))
+
+    assert seen == [("campaign seed 3", 3), ("baseline seed 3", 3), ("campaign seed 4", 4), ("baseline seed 4", 4),
+                    ("campaign seed 5", 5)]  # fmt: skip
+    with open(path) as f:
+        saved = json.load(f)
+    assert saved["seeds"] == [3, 4] and saved["seeds_planned"] == [3, 4, 5]
+    assert saved["pairs"]["ratios"] == [pytest.approx(15 / 13)] * 2
+    assert not os.path.exists(path + ".tmp")
+    assert capsys.readouterr().out.count("seconds to target, baseline / campaign, seed by seed") == 2

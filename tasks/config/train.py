@@ -56,8 +56,10 @@ class TrainConfig(Config):
     """AdamW weight decay."""
     clip_low: float = Field(0.2, ge=0.0, le=1.0)
     """PPO clip below 1 (ratio >= 1 - clip_low)."""
-    clip_high: float = Field(0.2, ge=0.0, le=10.0)
-    """PPO clip above 1 (ratio <= 1 + clip_high); raise it for DAPO-style clip-higher."""
+    clip_high: float = Field(0.28, ge=0.0, le=10.0)
+    """PPO clip above 1 (ratio <= 1 + clip_high). Above clip_low (DAPO's clip-higher) so a token the policy starts
+    to favour may gain more before its gradient stops: with 0.28 the default campaign reached 90% in fewer rounds and
+    updates than with 0.2 in 9 of 12 seeds (docs/training.md)."""
     tis_cap: float = Field(2.0, ge=1.0)
     """Truncation cap of the engine/trainer importance weight."""
     minibatch_order: Literal["shuffled", "stored"] = "shuffled"
@@ -110,6 +112,6 @@ class TrainConfig(Config):
         return cls.model_validate({**BEFORE_FIELDS, **recorded})
 
 
-BEFORE_FIELDS: dict = {"epochs": 1, "max_kl": None, "minibatch_order": "stored"}
-"""How rounds trained before these ``TrainConfig`` fields existed: one pass, no drift limit, minibatches
-in stored order."""
+BEFORE_FIELDS: dict = {"epochs": 1, "max_kl": None, "minibatch_order": "stored", "clip_high": 0.2}
+"""How rounds trained before these ``TrainConfig`` fields existed, or before their defaults changed: one pass, no
+drift limit, minibatches in stored order, the upper clip equal to the lower one."""

@@ -261,3 +261,13 @@ def test_a_recorded_config_without_later_fields_replays_as_its_round_trained():
     assert replayed.learning_rate == TrainConfig().learning_rate
     assert TrainConfig.recorded(TrainConfig().model_dump(mode="json")) == TrainConfig()
     assert TrainConfig.recorded(TrainConfig(max_kl=0.5).model_dump(mode="json")).max_kl == 0.5
+
+
+def test_a_recorded_config_without_the_upper_clip_replays_at_the_clip_it_trained_with():
+    """``clip_high``'s default moved from 0.2 to 0.28; a round recorded without the field trained at 0.2."""
+    from tasks.config.train import TrainConfig
+
+    older = TrainConfig().model_dump(mode="json")
+    del older["clip_high"]
+    assert TrainConfig().clip_high == 0.28 and TrainConfig.recorded(older).clip_high == 0.2
+    assert TrainConfig.recorded(TrainConfig().model_dump(mode="json")).clip_high == 0.28

@@ -220,7 +220,10 @@ def main() -> None:
         if args.json:
             write_json(args.json, out)
 
-    save(by_seed(args, config_of, save) if args.seeds else one_pair(args, config_of))
+    if args.seeds:
+        by_seed(args, config_of, save)  # saves after every seed
+    else:
+        save(one_pair(args, config_of))
 
 
 def write_json(path: str, out: dict) -> None:

@@ -61,10 +61,10 @@ class TrainConfig(Config):
     before its gradient stops. 0.28 reached 90% in fewer rounds than 0.2 in 9 of 12 seeds (docs/training.md)."""
     tis_cap: float = Field(2.0, ge=1.0)
     """Truncation cap of the engine/trainer importance weight."""
-    minibatch_order: Literal["shuffled", "stored"] = "shuffled"
-    """Which groups share a minibatch. 'shuffled': a seeded hash of each group id orders them, so a replay makes the
-    same updates. 'stored': the order groups finished in, shortest first; resumed long groups' drift may then stop
-    updates early."""
+    minibatch_order: Literal["shuffled", "carried_first", "stored"] = "shuffled"
+    """Which groups share a minibatch. 'shuffled': a seeded hash of each group id orders them; a replay makes the same
+    updates. 'carried_first': so, but groups holding carried-over tokens first, so fewer minibatches need the proximal
+    pass. 'stored': finish order."""
     recompute_proximal: Literal["auto", "always", "never"] = "auto"
     """Recompute the trainer's logprobs at the sampling weights before training (the 'proximal' policy) for the
     truncated importance-sampling correction. 'auto': except for rows from the embedded float32 engine with top_p 1,

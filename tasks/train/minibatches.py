@@ -1,5 +1,5 @@
 """How a round's kept rows become the update's minibatches: whole groups per optimizer step, in stored or
-seeded-shuffle order; a worker's share of each (train.workers > 1); and micro-batches of a token budget
+seeded-shuffle order (carried-over groups first, or spread among the others); a worker's share of each (train.workers > 1); and micro-batches of a token budget
 (train.max_tokens_per_microbatch). Plain Python over the rows; tasks/train/policy_update.py trains on them.
 """
 
@@ -36,23 +36,37 @@ class TrainBatch:
 
 
 def minibatches(
-    rows: list[dict], groups_per_step: int, steps: int, shuffle_seed: int | None = None
+    rows: list[dict],
+    groups_per_step: int,
+    steps: int,
+    shuffle_seed: int | None = None,
+    carried_before: int | None = None,
 ) -> list[TrainBatch]:
     """Kept rows (in stored order) -> up to ``steps`` minibatches of whole groups: in stored order, or
     with ``shuffle_seed`` in the order of a hash of (seed, group id), which depends on nothing but the
-    rows and the seed (``TrainConfig.minibatch_order``)."""
-    return [batch_of(sum(groups, [])) for groups in step_groups(rows, groups_per_step, steps, shuffle_seed)]
+    rows and the seed (``TrainConfig.minibatch_order``). With ``carried_before`` (a policy version) as well,
+    groups holding a token sampled before that version come first, in the same hashed order among themselves:
+    they fill as few minibatches as they can."""
+    return [
+        batch_of(sum(groups, []))
+        for groups in step_groups(rows, groups_per_step, steps, shuffle_seed, carried_before)
+    ]
 
 
 def sharded_minibatches(
-    rows: list[dict], groups_per_step: int, steps: int, shuffle_seed: int | None, workers: int
+    rows: list[dict],
+    groups_per_step: int,
+    steps: int,
+    shuffle_seed: int | None,
+    workers: int,
+    carried_before: int | None = None,
 ) -> list[list[TrainBatch]]:
     """``minibatches`` split between ``workers``: per worker, its share of every minibatch, whole groups in
     contiguous runs (so a group's samples share their prompt's pass), each share carrying its minibatch's
     totals. A worker the minibatch has no group for gets an idle stand-in (its first group, counting for
     nothing): every worker takes part in every step's collectives."""
     shares: list[list[TrainBatch]] = [[] for _ in range(workers)]
-    for groups in step_groups(rows, groups_per_step, steps, shuffle_seed):
+    for groups in step_groups(rows, groups_per_step, steps, shuffle_seed, carried_before):
         chosen = sum(groups, [])
         sampled = max((sampling_limit(r) for r in chosen), default=0) or None
         totals = StepTotals(sum(policy_token_count(r) for r in chosen), len(chosen), sampled)
@@ -63,7 +77,9 @@ def sharded_minibatches(
     return shares
 
 
-def step_groups(rows: list[dict], groups_per_step: int, steps: int, shuffle_seed: int | None) -> list[list[list[dict]]]:
+def step_groups(
+    rows: list[dict], groups_per_step: int, steps: int, shuffle_seed: int | None, carried_before: int | None = None
+) -> list[list[list[dict]]]:
     """Per optimizer step, its groups' rows (see ``minibatches``)."""
     order: list[str] = []
     by_group: dict[str, list[dict]] = {}
@@ -74,6 +90,8 @@ def step_groups(rows: list[dict], groups_per_step: int, steps: int, shuffle_seed
         by_group[row["group_id"]].append(row)
     if shuffle_seed is not None:
         order.sort(key=lambda group_id: _group_key(shuffle_seed, group_id))
+    if carried_before is not None:  # a stable sort: the hashed order holds within each part
+        order.sort(key=lambda group_id: not carried(by_group[group_id], carried_before))
     out = []
     for step in range(steps):
         groups = [by_group[g] for g in order[step * groups_per_step : (step + 1) * groups_per_step]]
@@ -81,6 +99,11 @@ def step_groups(rows: list[dict], groups_per_step: int, steps: int, shuffle_seed
             break
         out.append(groups)
     return out
+
+
+def carried(group: list[dict], before: int) -> bool:
+    """Whether any of the group's tokens was sampled by a policy older than version ``before``."""
+    return any(v < before for row in group for v in row["token_policy_versions"])
 
 
 def sampling_limit(row: dict) -> int:

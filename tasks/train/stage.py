@@ -91,8 +91,10 @@ def run_train(
     reference = None
     if config.kl_coef > 0:
         reference = parent if config.kl_reference == "parent" else checkpoints.local_copy(root, base)
-    shuffle_seed = config.seed if config.minibatch_order == "shuffled" else None
-    batches = minibatches(rows, config.groups_per_step, config.steps_per_round, shuffle_seed)
+    shuffle_seed = None if config.minibatch_order == "stored" else config.seed
+    # carried-over groups together: only the minibatches holding them need the proximal pass (proximal_plan)
+    carried_before = ctx.parent_policy_version if config.minibatch_order == "carried_first" else None
+    batches = minibatches(rows, config.groups_per_step, config.steps_per_round, shuffle_seed, carried_before)
     recompute = proximal_plan(
         config.recompute_proximal, rollout_dtype, [r["engine"] for r in rows], batches, ctx.parent_policy_version
     )
@@ -121,7 +123,7 @@ def run_train(
             group = trainers.group(config.workers, device, ray_address)
             progress(f"train: {config.workers} workers ({'GPU' if group.on_gpu else 'CPU'}), {len(batches)} steps")
             shares = sharded_minibatches(
-                rows, config.groups_per_step, config.steps_per_round, shuffle_seed, config.workers
+                rows, config.groups_per_step, config.steps_per_round, shuffle_seed, config.workers, carried_before
             )
             job = TrainJob(
                 shares=[],

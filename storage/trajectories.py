@@ -248,9 +248,13 @@ def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+VERSION_ID_LENGTH = 20
+"""Hex characters of a trajectory version id."""
+
+
 def version_id(body: dict) -> str:
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-    return hashlib.sha256(canonical).hexdigest()[:20]
+    return hashlib.sha256(canonical).hexdigest()[:VERSION_ID_LENGTH]
 
 
 @dataclass
@@ -418,13 +422,22 @@ def list_manifests(root: StorageRoot) -> list[Manifest]:
     return found
 
 
-def find_version(root: StorageRoot, version: str) -> Manifest:
-    """Resolve a version id (or a unique prefix of at least 6 characters) to its manifest."""
+def find_version(root: StorageRoot, version: str, near: tuple[str, int] | None = None) -> Manifest:
+    """Resolve a version id (or a unique prefix of at least 6 characters) to its manifest.
+
+    ``near``: (run id, round) where a whole id is likely committed (a model version's lineage tags name them). That
+    place and ``derived/`` are looked at directly; only an id found in neither is searched for over every run's
+    rounds, a listing that grows with the root."""
     if len(version) < 6 or not all(c in "0123456789abcdef" for c in version):
         raise TrajectoryStoreError(
             f"trajectory version {version!r} must be at least 6 hex characters of a version id; "
             "list them with `rlrounds trajectories list`"
         )
+    if len(version) == VERSION_ID_LENGTH:
+        places = [root.trajectory_version(*near, version)] if near else []
+        for directory in [*places, root.derived_version(version)]:
+            if root.fs.exists(manifest_of(directory)):
+                return read_manifest(root, directory)
     hits = []
     for pattern in root.manifest_globs():
         hits += root.glob(pattern.replace(f"/*/{MANIFEST}", f"/{version}*/{MANIFEST}"))

@@ -113,6 +113,32 @@ def test_directory_without_manifest_is_invisible(root):
         find_version(root, manifest.version)
 
 
+class Unlisted(StorageRoot):
+    """A root that refuses to list: what a lookup by a known place must never need."""
+
+    def glob(self, pattern: str) -> list[str]:
+        raise AssertionError(f"listed {pattern}")
+
+
+def test_a_whole_id_is_read_where_its_round_or_derived_keeps_it_without_listing_the_root(root):
+    """A model version's description resolves its trajectory version on every evaluation; a listing of every run's
+    rounds grows with the root (on S3, a listing of the whole bucket prefix), so a whole id is looked for at its
+    round and under derived/ first."""
+    rows = [make_row(0, i, 1.0) for i in range(2)]
+    rollout = _write(root, rows)
+    meta = {"kind": "filtered", "run_id": "run", "round": 1, "parent": rollout.version, "derivation": {"where": "x"}}
+    derived = write_version(root, root.derived_version, rows_to_table(rows), meta)
+    unlisted = Unlisted(root.uri)
+    assert find_version(unlisted, rollout.version, near=("run", 1)).directory == rollout.directory
+    assert find_version(unlisted, derived.version).directory == derived.directory
+    with pytest.raises(AssertionError, match="listed"):  # a prefix, or an id kept elsewhere, is still searched for
+        find_version(unlisted, rollout.version[:8], near=("run", 1))
+    assert find_version(root, rollout.version, near=("other-run", 3)).directory == rollout.directory
+    root.fs.rm(f"{rollout.directory}/manifest.json")  # uncommitted: invisible, however it is looked for
+    with pytest.raises(TrajectoryStoreError, match="no committed trajectory version"):
+        find_version(root, rollout.version, near=("run", 1))
+
+
 def test_flipped_byte_is_reported_with_file_and_version(root):
     manifest = _write(root, [make_row(0, i, 1.0) for i in range(4)])
     part = f"{manifest.directory}/part-00000.parquet"

@@ -100,7 +100,8 @@ def describe_version(tracker, root, ref: str) -> str:
     trajectory = None
     if tags.get("trajectory_version", "none") != "none":
         try:
-            trajectory = trajectory_origin(find_version(root, tags["trajectory_version"]).body)
+            near = (tags["run_id"], int(tags["round"])) if tags.get("round", "").isdigit() and "run_id" in tags else None
+            trajectory = trajectory_origin(find_version(root, tags["trajectory_version"], near).body)
         except TrajectoryStoreError:
             trajectory = trajectory_origin(None)
     run_id = tags.get("prefect_flow_run_id", "none")

@@ -14,7 +14,13 @@ Figures, measured in this run (median of ``--repeats``):
     JSONL, Arrow: pyarrow.json.read_json (multi-threaded C++; parses every column, then selects);
 - the same through to the trainer's Python rows (kept rows only, tasks/train.kept_rows).
 
+With ``--lookup RUNS``: resolving a whole trajectory version id to its manifest in a root holding RUNS
+campaigns of ``--rounds`` committed rounds each, by listing every run's rounds (``find_version(root, id)``)
+against reading where its round keeps it (``find_version(root, id, near=(run, round))``, what a model
+version's description does on every evaluation).
+
     python benchmarks/store.py [--groups 2500] [--samples 8] [--repeats 5]
+    python benchmarks/store.py --lookup 50 [--rounds 45]
 """
 
 from __future__ import annotations
@@ -94,7 +100,12 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=2500)
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--lookup", type=int, metavar="RUNS", help="time a version lookup in a root of RUNS runs")
+    parser.add_argument("--rounds", type=int, default=45, help="with --lookup: committed rounds per run")
     args = parser.parse_args()
+    if args.lookup:
+        lookup(args.lookup, args.rounds, args.repeats)
+        return
 
     import pyarrow.json as pj
 
@@ -147,6 +158,32 @@ def main() -> None:
     print(
         f"to rows     parquet {t_parquet_rows * 1000:7.1f} ms    jsonl(python) {t_python_rows * 1000:7.1f} ms  -> "
         f"{t_python_rows / t_parquet_rows:5.1f}x  (kept rows as Python dicts, what train_policy consumes)"
+    )
+
+
+def lookup(runs: int, rounds: int, repeats: int) -> None:
+    """Time resolving the last run's last round's version, by listing and at its place (see the module doc)."""
+    from storage.paths import StorageRoot
+    from storage.trajectories import find_version, rows_to_table, write_version
+
+    table = rows_to_table(round_rows(2, 2))
+    with tempfile.TemporaryDirectory(prefix="rlrounds-bench-") as tmp:
+        root = StorageRoot.of(os.path.join(tmp, "store"))
+        for run in range(runs):
+            for index in range(1, rounds + 1):
+                meta = {"kind": "rollout", "run_id": f"run-{run}", "round": index, "parent": None, "derivation": {}}
+                manifest = write_version(
+                    root, lambda v, run=run, index=index: root.trajectory_version(f"run-{run}", index, v), table, meta
+                )
+            print(f"\r{run + 1}/{runs} runs written", end="", flush=True)
+        print()
+        near = (f"run-{runs - 1}", rounds)
+        t_listed, by_listing = median_seconds(lambda: find_version(root, manifest.version), repeats)
+        t_placed, by_place = median_seconds(lambda: find_version(root, manifest.version, near), repeats)
+        assert by_listing.directory == by_place.directory == manifest.directory
+    print(
+        f"lookup of a whole version id among {runs} runs x {rounds} rounds (median of {repeats}): by listing "
+        f"{t_listed * 1000:.1f} ms, at its round {t_placed * 1000:.2f} ms -> {t_listed / t_placed:.0f}x"
     )
 
 

@@ -61,7 +61,7 @@ class TrainConfig(Config):
     before its gradient stops. 0.28 reached 90% in fewer rounds than 0.2 in 9 of 12 seeds (docs/training.md)."""
     tis_cap: float = Field(2.0, ge=1.0)
     """Truncation cap of the engine/trainer importance weight."""
-    minibatch_order: Literal["shuffled", "carried_first", "stored"] = "shuffled"
+    minibatch_order: Literal["shuffled", "carried_first", "stored"] = "carried_first"
     """Which groups share a minibatch. 'shuffled': a seeded hash of each group id orders them; a replay makes the same
     updates. 'carried_first': so, but groups holding carried-over tokens first, so fewer minibatches need the proximal
     pass. 'stored': finish order."""

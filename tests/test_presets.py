@@ -41,6 +41,8 @@ def test_long_tail_preset_selects_its_task_base_and_simulated_environment():
     )
     assert rc.verify.simulated_environment is not None and rc.verify.simulated_environment.p99_over_median == 10.0
     assert rc.evaluate.max_tokens >= len("999,998,997,996,995,994,993,992,991,990,989,988,987,986,985") + 1
+    # its carried-over groups are its long samples: spread over the minibatches, not first as by default
+    assert rc.train.minibatch_order == "shuffled" != load_campaign_config(None, None).round.train.minibatch_order
 
 
 @pytest.mark.parametrize("name", preset_names())

@@ -100,7 +100,8 @@ def describe_version(tracker, root, ref: str) -> str:
     trajectory = None
     if tags.get("trajectory_version", "none") != "none":
         try:
-            near = (tags["run_id"], int(tags["round"])) if tags.get("round", "").isdigit() and "run_id" in tags else None
+            known = tags.get("round", "").isdigit() and "run_id" in tags
+            near = (tags["run_id"], int(tags["round"])) if known else None  # the round its lineage names
             trajectory = trajectory_origin(find_version(root, tags["trajectory_version"], near).body)
         except TrajectoryStoreError:
             trajectory = trajectory_origin(None)

@@ -1,6 +1,7 @@
 """How a round's kept rows become the update's minibatches: whole groups per optimizer step, in stored or
-seeded-shuffle order (carried-over groups first, or spread among the others); a worker's share of each (train.workers > 1); and micro-batches of a token budget
-(train.max_tokens_per_microbatch). Plain Python over the rows; tasks/train/policy_update.py trains on them.
+seeded-shuffle order (carried-over groups first, or spread among the others); a worker's share of each
+(train.workers > 1); and micro-batches of a token budget (train.max_tokens_per_microbatch). Plain Python over
+the rows; tasks/train/policy_update.py trains on them.
 """
 
 from __future__ import annotations
@@ -48,8 +49,7 @@ def minibatches(
     groups holding a token sampled before that version come first, in the same hashed order among themselves:
     they fill as few minibatches as they can."""
     return [
-        batch_of(sum(groups, []))
-        for groups in step_groups(rows, groups_per_step, steps, shuffle_seed, carried_before)
+        batch_of(sum(groups, [])) for groups in step_groups(rows, groups_per_step, steps, shuffle_seed, carried_before)
     ]
 
 

@@ -299,6 +299,24 @@ def test_the_proximal_pass_runs_only_for_the_minibatches_that_need_it():
     assert proximal_plan("always", "float32", embedded, [fresh], 2) == [True]
 
 
+def twelve_groups(versions) -> list[dict]:
+    """Kept rows of twelve groups of two samples, group g's prompt [1, g]; ``versions(group, sample)``: the policy
+    version of each of a sample's two tokens."""
+    return [
+        {
+            "group_id": f"g{g}",
+            "prompt_token_ids": [1, g],
+            "completion_token_ids": [2, s],
+            "rollout_logprobs": [0.0, 0.0],
+            "advantage": float(s),
+            "token_policy_versions": versions(g, s),
+            "sampling": {"top_p": 1.0, "max_tokens": 4},
+        }
+        for g in range(12)
+        for s in range(2)
+    ]
+
+
 def test_shuffled_minibatches_depend_on_the_rows_and_the_seed_not_their_stored_order():
     """Whole groups, every kept row once; the same minibatches whatever order the groups were stored in,
     others for another seed; stored order keeps the groups as they finished."""
@@ -306,19 +324,7 @@ def test_shuffled_minibatches_depend_on_the_rows_and_the_seed_not_their_stored_o
 
     from tasks.train.policy_update import minibatches
 
-    rows = [
-        {
-            "group_id": f"g{g}",
-            "prompt_token_ids": [1, g],
-            "completion_token_ids": [2, s],
-            "rollout_logprobs": [0.0, 0.0],
-            "advantage": float(s),
-            "token_policy_versions": [0, 0],
-            "sampling": {"top_p": 1.0, "max_tokens": 4},
-        }
-        for g in range(12)
-        for s in range(2)
-    ]
+    rows = twelve_groups(lambda group, sample: [0, 0])
 
     def groups(batches):
         return [[p[1] for p in b.prompt_ids] for b in batches]
@@ -341,19 +347,7 @@ def test_carried_first_puts_carried_over_groups_together_so_only_their_minibatch
     from tasks.train.policy_update import minibatches, proximal_plan, sharded_minibatches
 
     carried_ids = {1, 4, 7, 10}  # a sample of each resumed from the round before (policy version 2, parent 3)
-    rows = [
-        {
-            "group_id": f"g{g}",
-            "prompt_token_ids": [1, g],
-            "completion_token_ids": [2, s],
-            "rollout_logprobs": [0.0, 0.0],
-            "advantage": float(s),
-            "token_policy_versions": [2, 3] if g in carried_ids and s == 0 else [3, 3],
-            "sampling": {"top_p": 1.0, "max_tokens": 4},
-        }
-        for g in range(12)
-        for s in range(2)
-    ]
+    rows = twelve_groups(lambda group, sample: [2, 3] if group in carried_ids and sample == 0 else [3, 3])
 
     def groups(batches):
         return [[p[1] for p in b.prompt_ids[::2]] for b in batches]

@@ -7,6 +7,7 @@ the rows; tasks/train/policy_update.py trains on them.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from models.loss import StepTotals
@@ -45,9 +46,9 @@ def minibatches(
 ) -> list[TrainBatch]:
     """Kept rows (in stored order) -> up to ``steps`` minibatches of whole groups: in stored order, or
     with ``shuffle_seed`` in the order of a hash of (seed, group id), which depends on nothing but the
-    rows and the seed (``TrainConfig.minibatch_order``). With ``carried_before`` (a policy version) as well,
-    groups holding a token sampled before that version come first, in the same hashed order among themselves:
-    they fill as few minibatches as they can."""
+    rows and the seed (``TrainConfig.minibatch_order``). With ``carried_before`` (the round's parent version) as
+    well, groups holding a token another version sampled (``carried_over``) come first, in the same hashed order
+    among themselves: they fill as few minibatches as they can."""
     return [
         batch_of(sum(groups, [])) for groups in step_groups(rows, groups_per_step, steps, shuffle_seed, carried_before)
     ]
@@ -91,7 +92,11 @@ def step_groups(
     if shuffle_seed is not None:
         order.sort(key=lambda group_id: _group_key(shuffle_seed, group_id))
     if carried_before is not None:  # a stable sort: the hashed order holds within each part
-        order.sort(key=lambda group_id: not carried(by_group[group_id], carried_before))
+        order.sort(
+            key=lambda group_id: (
+                not carried_over((r["token_policy_versions"] for r in by_group[group_id]), carried_before)
+            )
+        )
     out = []
     for step in range(steps):
         groups = [by_group[g] for g in order[step * groups_per_step : (step + 1) * groups_per_step]]
@@ -101,9 +106,10 @@ def step_groups(
     return out
 
 
-def carried(group: list[dict], before: int) -> bool:
-    """Whether any of the group's tokens was sampled by a policy older than version ``before``."""
-    return any(v < before for row in group for v in row["token_policy_versions"])
+def carried_over(token_versions: Iterable[Sequence[int]], current: int) -> bool:
+    """Whether any token (per sample, its tokens' policy versions) was sampled by another policy than ``current``,
+    the round's parent: a sample carried over from an earlier round."""
+    return any(v != current for versions in token_versions for v in versions)
 
 
 def sampling_limit(row: dict) -> int:

@@ -31,6 +31,7 @@ from models.loss import LossInputs, LossSettings, logprob_mismatch, policy_loss,
 from models.memory import checkpoint_layers, checkpointed, trainable_parameters
 from tasks.config.train import TrainConfig
 from tasks.train.minibatches import TrainBatch as TrainBatch
+from tasks.train.minibatches import carried_over
 from tasks.train.minibatches import microbatches as microbatches
 from tasks.train.minibatches import minibatches as minibatches
 from tasks.train.minibatches import sharded_minibatches as sharded_minibatches
@@ -412,7 +413,7 @@ def proximal_plan(
             rollout_dtype,
             [],
             batch.top_p,
-            stale_tokens=any(v != current_version for versions in batch.policy_versions for v in versions),
+            stale_tokens=carried_over(batch.policy_versions, current_version),
         )
         for batch in batches
     ]

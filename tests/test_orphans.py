@@ -77,8 +77,8 @@ def test_sigkilled_campaign_leaves_nothing_after_the_next_start(tmp_path, seed_b
     env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", OWNER_VAR)}
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(__file__)), env.get("PYTHONPATH", "")])
     cli = [sys.executable, "-m", "flows.cli"]
-    campaign = subprocess.Popen(
-        [*cli, "run", "--storage", storage, "--rounds", "1"],
+    campaign = subprocess.Popen(  # rounds enough to outlast the waits below on a fast machine: it is killed anyway
+        [*cli, "run", "--storage", storage, "--rounds", "45"],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -136,8 +136,8 @@ def test_sigtermed_campaign_stops_everything_it_started(tmp_path, seed_builtin_b
     seed_builtin_base(storage)
     env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", OWNER_VAR)}
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(__file__)), env.get("PYTHONPATH", "")])
-    campaign = subprocess.Popen(
-        [sys.executable, "-m", "flows.cli", "run", "--storage", storage, "--rounds", "2"],
+    campaign = subprocess.Popen(  # rounds enough to outlast the wait below on a fast machine: it is stopped anyway
+        [sys.executable, "-m", "flows.cli", "run", "--storage", storage, "--rounds", "45"],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

@@ -215,6 +215,59 @@ def test_updates_stop_once_the_policy_drifts_past_max_kl(tiny_policy_dir):
         assert torch.equal(p, q)
 
 
+def test_warm_up_ramps_the_learning_rate_over_the_optimizers_first_steps_across_rounds(tiny_policy_dir):
+    """``warmup_steps``: the first step of a fresh optimizer is a step at 1/N of the learning rate (the same update
+    as a step without warm-up at that rate), and the ramp goes on from the step count in the state a round hands
+    the next."""
+    import copy
+
+    import torch
+
+    from models.checkpoint import load_policy
+    from tasks.config.train import TrainConfig
+    from tasks.train.policy_update import TrainBatch, steps_taken, train_policy
+
+    model, tokenizer = load_policy(tiny_policy_dir)
+    prompt = [tokenizer.bos_token_id, 3, 4, 13]
+    batch = TrainBatch(
+        prompt_ids=[prompt] * 2,
+        completion_ids=[[5, 6, 7], [8, 9, 2]],
+        behaviour=[[-2.0] * 3] * 2,
+        advantages=[1.0, -1.0],
+        policy_versions=[[0] * 3] * 2,
+        top_p=[1.0] * 2,
+        max_tokens=3,
+    )
+    rate = 1e-3
+    common = dict(temperature=1.0, current_version=0, recompute=False)
+    ramped, plain = copy.deepcopy(model), copy.deepcopy(model)
+    config = TrainConfig(learning_rate=rate, warmup_steps=4, epochs=1, max_kl=None)
+    optimizer, first = train_policy(ramped, tokenizer.pad_token_id, [batch], config=config, optimizer=None, **common)
+    train_policy(
+        plain,
+        tokenizer.pad_token_id,
+        [batch],
+        config=TrainConfig(learning_rate=rate / 4, epochs=1, max_kl=None, warmup_steps=0),
+        optimizer=None,
+        **common,
+    )
+    for p, q in zip(ramped.parameters(), plain.parameters()):
+        assert torch.equal(p, q)
+    assert first["train/learning_rate"] == rate / 4
+    # the next round continues from the state it was handed: steps 2-5 at 2/4, 3/4, 4/4 and 4/4 of the rate
+    state = optimizer.state_dict()
+    optimizer, later = train_policy(
+        ramped, tokenizer.pad_token_id, [batch] * 4, config=config, optimizer=state, **common
+    )
+    assert steps_taken(optimizer) == 5
+    assert later["train/learning_rate"] == pytest.approx(rate * (0.5 + 0.75 + 1 + 1) / 4)
+    unramped_config = TrainConfig(epochs=1, warmup_steps=0)
+    _, unramped = train_policy(
+        copy.deepcopy(model), tokenizer.pad_token_id, [batch], config=unramped_config, optimizer=None, **common
+    )
+    assert unramped["train/learning_rate"] == TrainConfig().learning_rate  # 0: no ramp
+
+
 # -- freshness: lag in policy versions and divergence from the behaviour policy ------------------------
 
 

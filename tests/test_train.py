@@ -271,3 +271,14 @@ def test_a_recorded_config_without_the_upper_clip_replays_at_the_clip_it_trained
     del older["clip_high"]
     assert TrainConfig().clip_high == 0.28 and TrainConfig.recorded(older).clip_high == 0.2
     assert TrainConfig.recorded(TrainConfig().model_dump(mode="json")).clip_high == 0.28
+
+
+def test_a_recorded_config_without_warm_up_replays_without_it():
+    """``warmup_steps`` was added with a default of 8; a round recorded before it existed trained without warm-up,
+    and one recorded since holds its value."""
+    from tasks.config.train import TrainConfig
+
+    older = TrainConfig().model_dump(mode="json")
+    del older["warmup_steps"]
+    assert TrainConfig().warmup_steps == 8 and TrainConfig.recorded(older).warmup_steps == 0
+    assert TrainConfig.recorded(TrainConfig().model_dump(mode="json")).warmup_steps == 8

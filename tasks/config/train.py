@@ -50,6 +50,10 @@ class TrainConfig(Config):
     """Stop the round's updates once the policy has drifted this far from the one that sampled its rows: the k3
     estimate of KL(sampling || current) over a minibatch's tokens, before its update (PPO's target KL). None: never
     stop early."""
+    warmup_steps: Annotated[int, AddedInput(since="2026-12-07", keyed_at_default=False)] = Field(8, ge=0)
+    """Ramp the learning rate linearly over the optimizer's first this many steps (a fresh Adam's first steps are
+    sign steps of the whole rate). Optimizer state carries between rounds: only a campaign's first steps ramp (LoRA:
+    each round's). 0: none."""
     max_grad_norm: float = Field(1.0, gt=0.0)
     """Global gradient-norm clip."""
     weight_decay: float = Field(0.0, ge=0.0)
@@ -111,6 +115,6 @@ class TrainConfig(Config):
         return cls.model_validate({**BEFORE_FIELDS, **recorded})
 
 
-BEFORE_FIELDS: dict = {"epochs": 1, "max_kl": None, "minibatch_order": "stored", "clip_high": 0.2}
+BEFORE_FIELDS: dict = {"epochs": 1, "max_kl": None, "minibatch_order": "stored", "clip_high": 0.2, "warmup_steps": 0}
 """How rounds trained before these ``TrainConfig`` fields existed, or before their defaults changed: one pass, no
-drift limit, minibatches in stored order, the upper clip equal to the lower one."""
+drift limit, minibatches in stored order, the upper clip equal to the lower one, no warm-up."""

@@ -73,6 +73,21 @@ def adamw(model, config: TrainConfig, state: dict | None = None) -> torch.optim.
     return schedule(optimizer, config)
 
 
+def steps_taken(optimizer: torch.optim.Optimizer) -> int:
+    """Steps the optimizer has taken, over every round its state has carried through (AdamW counts them)."""
+    return next((int(state["step"]) for state in optimizer.state.values() if "step" in state), 0)
+
+
+def warm_up(optimizer: torch.optim.Optimizer, config: TrainConfig) -> float:
+    """Set the next step's learning rate under ``train.warmup_steps``' linear ramp; returns it."""
+    rate = config.learning_rate
+    if config.warmup_steps:
+        rate *= min(1.0, (steps_taken(optimizer) + 1) / config.warmup_steps)
+    for group in optimizer.param_groups:
+        group["lr"] = rate
+    return rate
+
+
 def schedule(optimizer: torch.optim.Optimizer, config: TrainConfig) -> torch.optim.Optimizer:
     for group in optimizer.param_groups:  # a new round may change the schedule
         group["lr"], group["weight_decay"] = config.learning_rate, config.weight_decay
@@ -130,7 +145,17 @@ def train_policy(
                 part.proximal = score(model, part.tokens, temperature, part.top_p)
     settings = loss_settings(config)
     history: dict[str, list[float]] = {
-        k: [] for k in ("loss", "clip_fraction", "grad_norm", "tis_mean", "tis_truncated_fraction", "kl", "ratio_mean")
+        k: []
+        for k in (
+            "loss",
+            "clip_fraction",
+            "grad_norm",
+            "tis_mean",
+            "tis_truncated_fraction",
+            "kl",
+            "ratio_mean",
+            "learning_rate",
+        )  # fmt: skip
     }
     lag_sum, lag_count, lag_max = 0.0, 0, 0.0
     drift, stopped = 0.0, False
@@ -162,10 +187,11 @@ def train_policy(
             drifted.extend(part.drifted)
             freshness.append(part.freshness)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+        rate = warm_up(optimizer, config)
         optimizer.step()
         loss, figures, tokens = step_loss_figures(done)
         loss, figures = step_figures(loss, figures, tokens, collective)
-        for key, value in zip(history, [loss, figures[0], float(full_tensor(grad_norm)), *figures[1:]]):
+        for key, value in zip(history, [loss, figures[0], float(full_tensor(grad_norm)), *figures[1:], rate]):
             history[key].append(value)
         # Staleness in optimizer steps: the weights being trained are `step` steps past the round's
         # starting policy, plus a whole round per policy version the token lags behind it.

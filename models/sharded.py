@@ -208,8 +208,20 @@ def save_optimizer_shards(model, optimizer: torch.optim.Optimizer, directory: st
     dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=directory)
 
 
+def with_group_keys(optimizer: torch.optim.Optimizer, names) -> None:
+    """Give the optimizer's parameter groups the keys of their own a saved state's groups hold (the learning-rate
+    scale of ``train.drift_target``), as placeholders the load overwrites: the distributed loaders build the state
+    to load into from the optimizer's groups, and would refuse or drop a key those lack."""
+    for group in optimizer.param_groups:
+        for name in set(names) - {"params"}:
+            group.setdefault(name, None)
+
+
 def load_optimizer_shards(model, optimizer: torch.optim.Optimizer, directory: str) -> None:
     """Continue from a DCP optimizer directory written at any worker count. A collective."""
+    prefix = "optimizer.param_groups."
+    saved = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
+    with_group_keys(optimizer, {key.split(".")[3] for key in saved if key.startswith(prefix)})
     state = {"optimizer": get_optimizer_state_dict(model, optimizer)}  # allocates the state to load into
     dcp.load(state, checkpoint_id=directory)
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
@@ -219,6 +231,7 @@ def load_plain_optimizer(model, optimizer: torch.optim.Optimizer, plain: dict) -
     """Continue a sharded model's optimizer from a one-process ``state_dict`` (keyed by parameter index).
     Every rank passes the whole state and keeps its shard. A collective."""
     names = [name for name, _ in model.named_parameters()]
+    with_group_keys(optimizer, {key for group in plain["param_groups"] for key in group})
     by_name = {
         "state": {names[index]: value for index, value in plain["state"].items()},
         "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in plain["param_groups"]],

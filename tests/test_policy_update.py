@@ -268,6 +268,56 @@ def test_warm_up_ramps_the_learning_rate_over_the_optimizers_first_steps_across_
     assert unramped["train/learning_rate"] == TrainConfig().learning_rate  # 0: no ramp
 
 
+def test_drift_target_scales_the_next_rounds_learning_rate_from_the_state_it_hands_on(tiny_policy_dir):
+    """``drift_target``: a round that ended below half the target hands the next round 1.5x the rate, one stopped
+    at ``max_kl`` hands it the rate / 1.5; the scale travels in the optimizer's state, and without a target the
+    rate stays fixed."""
+    import copy
+
+    from models.checkpoint import load_policy
+    from tasks.config.train import TrainConfig
+    from tasks.train.policy_update import TrainBatch, rate_scale, train_policy
+
+    model, tokenizer = load_policy(tiny_policy_dir)
+    prompt = [tokenizer.bos_token_id, 3, 4, 13]
+    batch = TrainBatch(
+        prompt_ids=[prompt] * 2,
+        completion_ids=[[5, 6, 7], [8, 9, 2]],
+        behaviour=[[-2.0] * 3] * 2,
+        advantages=[1.0, -1.0],
+        policy_versions=[[0] * 3] * 2,
+        top_p=[1.0] * 2,
+        max_tokens=3,
+    )
+    rate, common = 1e-4, dict(temperature=1.0, current_version=0, recompute=False)
+    config = TrainConfig(learning_rate=rate, warmup_steps=0, epochs=1, max_kl=None, drift_target=1e3)
+    optimizer, first = train_policy(model, tokenizer.pad_token_id, [batch], config=config, optimizer=None, **common)
+    assert first["train/learning_rate"] == rate and first["train/lr_scale_next"] == 1.5  # drift far below 500
+    state = copy.deepcopy(optimizer.state_dict())
+    optimizer, second = train_policy(model, tokenizer.pad_token_id, [batch], config=config, optimizer=state, **common)
+    assert second["train/learning_rate"] == pytest.approx(rate * 1.5) and rate_scale(optimizer) == 2.25
+    # every later step drifts past a tiny max_kl: the round stops, and the next starts a step lower
+    stopping = config.model_copy(update={"max_kl": 1e-12, "drift_target": 1e-12})
+    state = copy.deepcopy(optimizer.state_dict())
+    optimizer, third = train_policy(
+        model, tokenizer.pad_token_id, [batch] * 3, config=stopping, optimizer=state, **common
+    )
+    assert third["train/stopped_at_kl"] == 1.0 and third["train/lr_scale_next"] == 1.5
+    fixed = config.model_copy(update={"drift_target": None})
+    _, plain = train_policy(
+        copy.deepcopy(model), tokenizer.pad_token_id, [batch], config=fixed, optimizer=optimizer.state_dict(), **common
+    )
+    assert plain["train/learning_rate"] == rate  # the scale in the state is not read without a target
+    for scale in ((1 / 8) / 1.5, 8 * 1.5):  # held within its bounds
+        state = copy.deepcopy(optimizer.state_dict())
+        for group in state["param_groups"]:
+            group["rlrounds_lr_scale"] = scale
+        _, bounded = train_policy(
+            copy.deepcopy(model), tokenizer.pad_token_id, [batch], config=config, optimizer=state, **common
+        )
+        assert 1 / 8 <= bounded["train/lr_scale_next"] <= 8
+
+
 # -- freshness: lag in policy versions and divergence from the behaviour policy ------------------------
 
 

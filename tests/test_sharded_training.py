@@ -138,12 +138,14 @@ def test_two_workers_make_the_update_one_makes(tiny_policy_dir, tmp_path, aggreg
 
 def test_checkpoints_continue_across_worker_counts(tiny_policy_dir, tmp_path):
     """A 2-worker checkpoint (optimizer state as DCP shards) continues in one process, and a one-process
-    checkpoint (optimizer.pt) on 2 workers: a second round from either lands where one process lands."""
+    checkpoint (optimizer.pt) on 2 workers: a second round from either lands where one process lands. The
+    learning-rate scale of ``drift_target`` (1.5 after a first round far below it) carries both ways."""
     from models.checkpoint import load_policy
     from models.sharded import OPTIMIZER_DIR, OPTIMIZER_FILE, load_optimizer
+    from tasks.train.policy_update import SCALE_KEY
 
     _, tokenizer = load_policy(tiny_policy_dir)
-    config = step_config()
+    config = step_config(drift_target=1e3, warmup_steps=0)
     first, second = synthetic_rows(tokenizer, seed=1), synthetic_rows(tokenizer, seed=2)
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
     one_process(tiny_policy_dir, first, config, one)
@@ -153,6 +155,7 @@ def test_checkpoints_continue_across_worker_counts(tiny_policy_dir, tmp_path):
     model = load_policy(two)[0]  # the sharded round's state, read back in one process
     plain, reference = load_optimizer(two, model), load_optimizer(one, model)
     assert plain["state"].keys() == reference["state"].keys()
+    assert [g[SCALE_KEY] for g in plain["param_groups"]] == [g[SCALE_KEY] for g in reference["param_groups"]] == [1.5]
     for index, state in reference["state"].items():
         assert float(plain["state"][index]["step"]) == float(state["step"]) == 3
         assert torch.allclose(plain["state"][index]["exp_avg"], state["exp_avg"], rtol=1e-4, atol=1e-5)
@@ -216,11 +219,11 @@ def _load_both_ways(rank: int, path: str, address: str, out: str) -> None:
         ids = torch.tensor([[1, 5, 7, 9, 3, 4]])
         logits = [m(input_ids=ids).logits.detach() for m in (loaded, built)]
         weights = [full_weights(m) for m in (loaded, built)]
+        with open(f"{out}/{rank}.pkl", "wb") as f:  # before the teardown: see the test
+            pickle.dump({"local": local, "tied": tied, "logits": logits, "weights": weights}, f)
         dist.barrier()  # as Worker.leave: a rank that tears its gloo connections down first can abort (SIGABRT)
     finally:
         dist.destroy_process_group()
-    with open(f"{out}/{rank}.pkl", "wb") as f:
-        pickle.dump({"local": local, "tied": tied, "logits": logits, "weights": weights}, f)
 
 
 def test_a_policy_built_on_meta_and_filled_by_shard_is_the_loaded_one(tmp_path):
@@ -248,7 +251,13 @@ def test_a_policy_built_on_meta_and_filled_by_shard_is_the_loaded_one(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{s.getsockname()[1]}"
-    mp.spawn(_load_both_ways, args=(path, address, str(tmp_path)), nprocs=2, join=True)
+    try:
+        mp.spawn(_load_both_ways, args=(path, address, str(tmp_path)), nprocs=2, join=True)
+    except mp.ProcessExitedException as e:
+        # gloo's teardown after the last barrier aborted a rank in about one run in ten on a 2-core machine
+        # ("terminate called without an active exception"); what this test checks was written before it
+        if e.signal_name != "SIGABRT" or not all((tmp_path / f"{rank}.pkl").exists() for rank in range(2)):
+            raise
     for rank in range(2):
         with open(tmp_path / f"{rank}.pkl", "rb") as f:
             seen = pickle.load(f)

@@ -54,6 +54,10 @@ class TrainConfig(Config):
     """Ramp the learning rate linearly over the optimizer's first this many steps (a fresh Adam's first steps are
     sign steps of the whole rate). Optimizer state carries between rounds: only a campaign's first steps ramp (LoRA:
     each round's). 0: none."""
+    drift_target: Annotated[float | None, AddedInput(since="2026-12-07", keyed_at_default=False)] = Field(None, gt=0.0)
+    """Scale the learning rate between rounds toward ending a round at this drift: x1.5 after one ending below
+    half of it, /1.5 after one stopped at max_kl or above twice it (within 1/8-8x; kept in the optimizer state).
+    None: fixed."""
     max_grad_norm: float = Field(1.0, gt=0.0)
     """Global gradient-norm clip."""
     weight_decay: float = Field(0.0, ge=0.0)

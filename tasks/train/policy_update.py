@@ -78,9 +78,36 @@ def steps_taken(optimizer: torch.optim.Optimizer) -> int:
     return next((int(state["step"]) for state in optimizer.state.values() if "step" in state), 0)
 
 
+SCALE_KEY = "rlrounds_lr_scale"  # in each parameter group: saved with the optimizer's state, so it carries
+SCALE_STEP, SCALE_BOUNDS = 1.5, (1 / 8, 8.0)
+
+
+def rate_scale(optimizer: torch.optim.Optimizer) -> float:
+    """The learning-rate scale ``train.drift_target`` has reached in the rounds this optimizer's state carried
+    through (1.0 for a fresh one)."""
+    return float(optimizer.param_groups[0].get(SCALE_KEY, 1.0))
+
+
+def rescale(optimizer: torch.optim.Optimizer, config: TrainConfig, drift: float, stopped: bool) -> float:
+    """After a round: move the scale toward ending the next round at ``drift_target`` (a round's drift grows
+    about as the square of its rate): down a step after a round stopped at ``max_kl`` or drifted past twice the
+    target, up a step after one that ended below half of it. Returns the scale the next round starts at."""
+    scale = rate_scale(optimizer)
+    if config.drift_target is not None:
+        if stopped or drift > 2 * config.drift_target:
+            scale /= SCALE_STEP
+        elif drift < config.drift_target / 2:
+            scale *= SCALE_STEP
+        scale = min(max(scale, SCALE_BOUNDS[0]), SCALE_BOUNDS[1])
+        for group in optimizer.param_groups:
+            group[SCALE_KEY] = scale
+    return scale
+
+
 def warm_up(optimizer: torch.optim.Optimizer, config: TrainConfig) -> float:
-    """Set the next step's learning rate under ``train.warmup_steps``' linear ramp; returns it."""
-    rate = config.learning_rate
+    """Set the next step's learning rate under ``train.warmup_steps``' linear ramp and ``train.drift_target``'s
+    scale; returns it."""
+    rate = config.learning_rate * (rate_scale(optimizer) if config.drift_target is not None else 1.0)
     if config.warmup_steps:
         rate *= min(1.0, (steps_taken(optimizer) + 1) / config.warmup_steps)
     for group in optimizer.param_groups:
@@ -220,6 +247,7 @@ def train_policy(
             "train/samples": int(samples),
             "train/drift_kl": drift,
             "train/stopped_at_kl": float(stopped),
+            "train/lr_scale_next": rescale(optimizer, config, drift, stopped),  # kept in the optimizer's state
             "train/mismatch_mean_abs": pooled["mean_abs"],
             "train/mismatch_max_abs": pooled["max_abs"],
             "train/mismatch_kl": pooled["kl"],

@@ -28,7 +28,7 @@ import contextlib
 import glob
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -208,7 +208,7 @@ def save_optimizer_shards(model, optimizer: torch.optim.Optimizer, directory: st
     dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=directory)
 
 
-def with_group_keys(optimizer: torch.optim.Optimizer, names) -> None:
+def with_group_keys(optimizer: torch.optim.Optimizer, names: Iterable[str]) -> None:
     """Give the optimizer's parameter groups the keys of their own a saved state's groups hold (the learning-rate
     scale of ``train.drift_target``), as placeholders the load overwrites: the distributed loaders build the state
     to load into from the optimizer's groups, and would refuse or drop a key those lack."""

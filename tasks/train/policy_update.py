@@ -171,19 +171,8 @@ def train_policy(
             for part in minibatch if wanted else []:
                 part.proximal = score(model, part.tokens, temperature, part.top_p)
     settings = loss_settings(config)
-    history: dict[str, list[float]] = {
-        k: []
-        for k in (
-            "loss",
-            "clip_fraction",
-            "grad_norm",
-            "tis_mean",
-            "tis_truncated_fraction",
-            "kl",
-            "ratio_mean",
-            "learning_rate",
-        )  # fmt: skip
-    }
+    per_step = ("loss", "clip_fraction", "grad_norm", "tis_mean", "tis_truncated_fraction", "kl", "ratio_mean")
+    history: dict[str, list[float]] = {k: [] for k in (*per_step, "learning_rate")}
     lag_sum, lag_count, lag_max = 0.0, 0, 0.0
     drift, stopped = 0.0, False
     freshness: list[torch.Tensor] = []  # per minibatch: [N, 2] (version lag, log behaviour weight) of its tokens
@@ -238,6 +227,7 @@ def train_policy(
     mismatch, drifted = (sum(collective.gather(parts), []) for parts in (mismatch, drifted))
     freshness = [torch.cat(parts) for parts in collective.gather(freshness) if parts]
     stats = {f"train/{k}": statistics.fmean(v) for k, v in history.items() if v}
+    scale = rescale(optimizer, config, drift, stopped)  # the next round's, kept in the optimizer's state
     pooled, drift_pooled = pooled_mismatch(mismatch), pooled_mismatch(drifted)
     stats.update(
         {
@@ -247,7 +237,7 @@ def train_policy(
             "train/samples": int(samples),
             "train/drift_kl": drift,
             "train/stopped_at_kl": float(stopped),
-            "train/lr_scale_next": rescale(optimizer, config, drift, stopped),  # kept in the optimizer's state
+            "train/lr_scale_next": scale,
             "train/mismatch_mean_abs": pooled["mean_abs"],
             "train/mismatch_max_abs": pooled["max_abs"],
             "train/mismatch_kl": pooled["kl"],

@@ -4,6 +4,23 @@ minibatch order. Each test drives ``train_policy`` directly on a tiny policy, on
 
 import pytest
 
+
+def two_sample_batch(tokenizer):
+    """One group of two 3-token samples of one prompt, advantages +1 and -1, sampled at version 0."""
+    from tasks.train.policy_update import TrainBatch
+
+    prompt = [tokenizer.bos_token_id, 3, 4, 13]
+    return TrainBatch(
+        prompt_ids=[prompt] * 2,
+        completion_ids=[[5, 6, 7], [8, 9, 2]],
+        behaviour=[[-2.0] * 3] * 2,
+        advantages=[1.0, -1.0],
+        policy_versions=[[0] * 3] * 2,
+        top_p=[1.0] * 2,
+        max_tokens=3,
+    )
+
+
 # -- the mismatch figure is taken at the sampling weights, the drift apart -----------------------------
 
 
@@ -91,18 +108,9 @@ def test_epochs_repeat_the_rounds_minibatches_in_order(tiny_policy_dir, recomput
     from tasks.train.policy_update import TrainBatch, train_policy
 
     model, tokenizer = load_policy(tiny_policy_dir)
-    prompt = [tokenizer.bos_token_id, 3, 4, 13]
-    a = TrainBatch(
-        prompt_ids=[prompt] * 2,
-        completion_ids=[[5, 6, 7], [8, 9, 2]],
-        behaviour=[[-2.0] * 3] * 2,
-        advantages=[1.0, -1.0],
-        policy_versions=[[0] * 3] * 2,
-        top_p=[1.0] * 2,
-        max_tokens=3,
-    )
+    a = two_sample_batch(tokenizer)
     b = TrainBatch(
-        prompt_ids=[prompt] * 2,
+        prompt_ids=a.prompt_ids,
         completion_ids=[[9, 5, 2], [6, 6, 6]],
         behaviour=[[-2.5] * 3] * 2,
         advantages=[-1.0, 1.0],
@@ -225,19 +233,10 @@ def test_warm_up_ramps_the_learning_rate_over_the_optimizers_first_steps_across_
 
     from models.checkpoint import load_policy
     from tasks.config.train import TrainConfig
-    from tasks.train.policy_update import TrainBatch, steps_taken, train_policy
+    from tasks.train.policy_update import steps_taken, train_policy
 
     model, tokenizer = load_policy(tiny_policy_dir)
-    prompt = [tokenizer.bos_token_id, 3, 4, 13]
-    batch = TrainBatch(
-        prompt_ids=[prompt] * 2,
-        completion_ids=[[5, 6, 7], [8, 9, 2]],
-        behaviour=[[-2.0] * 3] * 2,
-        advantages=[1.0, -1.0],
-        policy_versions=[[0] * 3] * 2,
-        top_p=[1.0] * 2,
-        max_tokens=3,
-    )
+    batch = two_sample_batch(tokenizer)
     rate = 1e-3
     common = dict(temperature=1.0, current_version=0, recompute=False)
     ramped, plain = copy.deepcopy(model), copy.deepcopy(model)
@@ -276,19 +275,10 @@ def test_drift_target_scales_the_next_rounds_learning_rate_from_the_state_it_han
 
     from models.checkpoint import load_policy
     from tasks.config.train import TrainConfig
-    from tasks.train.policy_update import TrainBatch, rate_scale, train_policy
+    from tasks.train.policy_update import rate_scale, train_policy
 
     model, tokenizer = load_policy(tiny_policy_dir)
-    prompt = [tokenizer.bos_token_id, 3, 4, 13]
-    batch = TrainBatch(
-        prompt_ids=[prompt] * 2,
-        completion_ids=[[5, 6, 7], [8, 9, 2]],
-        behaviour=[[-2.0] * 3] * 2,
-        advantages=[1.0, -1.0],
-        policy_versions=[[0] * 3] * 2,
-        top_p=[1.0] * 2,
-        max_tokens=3,
-    )
+    batch = two_sample_batch(tokenizer)
     rate, common = 1e-4, dict(temperature=1.0, current_version=0, recompute=False)
     config = TrainConfig(learning_rate=rate, warmup_steps=0, epochs=1, max_kl=None, drift_target=1e3)
     optimizer, first = train_policy(model, tokenizer.pad_token_id, [batch], config=config, optimizer=None, **common)

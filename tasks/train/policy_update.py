@@ -104,9 +104,9 @@ def rescale(optimizer: torch.optim.Optimizer, config: TrainConfig, drift: float,
     return scale
 
 
-def warm_up(optimizer: torch.optim.Optimizer, config: TrainConfig) -> float:
-    """Set the next step's learning rate under ``train.warmup_steps``' linear ramp and ``train.drift_target``'s
-    scale; returns it."""
+def step_rate(optimizer: torch.optim.Optimizer, config: TrainConfig) -> float:
+    """Set the next step's learning rate: ``learning_rate`` under ``train.drift_target``'s scale and
+    ``train.warmup_steps``' linear ramp; returns it."""
     rate = config.learning_rate * (rate_scale(optimizer) if config.drift_target is not None else 1.0)
     if config.warmup_steps:
         rate *= min(1.0, (steps_taken(optimizer) + 1) / config.warmup_steps)
@@ -203,7 +203,7 @@ def train_policy(
             drifted.extend(part.drifted)
             freshness.append(part.freshness)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
-        rate = warm_up(optimizer, config)
+        rate = step_rate(optimizer, config)
         optimizer.step()
         loss, figures, tokens = step_loss_figures(done)
         loss, figures = step_figures(loss, figures, tokens, collective)

@@ -202,7 +202,14 @@ def test_fields_that_change_only_speed_or_placement_leave_the_config_hash_alone(
     plain = RoundConfig()
     recorded = plain.model_dump(mode="json")
     recorded["rollout"].pop("speculative")
-    for added in ("max_tokens_per_microbatch", "gradient_checkpointing", "lora", "warmup_steps", "drift_target"):
+    for added in (
+        "max_tokens_per_microbatch",
+        "gradient_checkpointing",
+        "lora",
+        "warmup_steps",
+        "drift_target",
+        "adam_beta2",
+    ):
         recorded["train"].pop(added)
     for added in ("environment", "episode"):  # agentic rounds: left out while they are at their defaults
         recorded.pop(added)

@@ -308,6 +308,34 @@ def test_drift_target_scales_the_next_rounds_learning_rate_from_the_state_it_han
         assert 1 / 8 <= bounded["train/lr_scale_next"] <= 8
 
 
+def test_adam_beta2_reaches_the_optimizer_over_the_state_a_round_hands_on(tiny_policy_dir):
+    """``adam_beta2`` is the AdamW second-moment decay of every step, also when the state handed on was saved
+    under another one (a loaded state brings its own betas); the default is torch's 0.999."""
+    import copy
+
+    import torch
+
+    from models.checkpoint import load_policy
+    from tasks.config.train import TrainConfig
+    from tasks.train.policy_update import train_policy
+
+    model, tokenizer = load_policy(tiny_policy_dir)
+    batch = two_sample_batch(tokenizer)
+    common = dict(temperature=1.0, current_version=0, recompute=False)
+    plain = TrainConfig(epochs=1, max_kl=None)
+    optimizer, _ = train_policy(model, tokenizer.pad_token_id, [batch], config=plain, optimizer=None, **common)
+    assert [g["betas"] for g in optimizer.param_groups] == [(0.9, 0.999)] * len(optimizer.param_groups)
+    state = copy.deepcopy(optimizer.state_dict())
+    faster = plain.model_copy(update={"adam_beta2": 0.99})
+    optimizer, _ = train_policy(model, tokenizer.pad_token_id, [batch], config=faster, optimizer=state, **common)
+    assert {g["betas"] for g in optimizer.param_groups} == {(0.9, 0.99)}
+    # the decay changes the update: the same step from the same state under each decay differs
+    a, b = copy.deepcopy(model), copy.deepcopy(model)
+    train_policy(a, tokenizer.pad_token_id, [batch], config=plain, optimizer=copy.deepcopy(state), **common)
+    train_policy(b, tokenizer.pad_token_id, [batch], config=faster, optimizer=copy.deepcopy(state), **common)
+    assert any(not torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
 # -- freshness: lag in policy versions and divergence from the behaviour policy ------------------------
 
 

@@ -116,8 +116,9 @@ def step_rate(optimizer: torch.optim.Optimizer, config: TrainConfig) -> float:
 
 
 def schedule(optimizer: torch.optim.Optimizer, config: TrainConfig) -> torch.optim.Optimizer:
-    for group in optimizer.param_groups:  # a new round may change the schedule
+    for group in optimizer.param_groups:  # a new round may change the schedule (a loaded state brings its own)
         group["lr"], group["weight_decay"] = config.learning_rate, config.weight_decay
+        group["betas"] = (group["betas"][0], config.adam_beta2)
     return optimizer
 
 

@@ -53,7 +53,9 @@ def test_every_preset_validates_and_is_shipped_as_package_data(name):
     assert any(fnmatch.fnmatch(f"presets/{name}.yaml", g) for g in globs), globs
 
 
-BENCHMARK_CONFIGS = sorted(os.listdir(os.path.join(ROOT, "benchmarks", "configs")))
+CONFIGS_DIR = os.path.join(ROOT, "benchmarks", "configs")
+BENCHMARK_CONFIGS = sorted(n for n in os.listdir(CONFIGS_DIR) if os.path.isfile(os.path.join(CONFIGS_DIR, n)))
+LEARNING_SPEED_CONFIGS = sorted(os.listdir(os.path.join(CONFIGS_DIR, "learning_speed")))
 
 
 @pytest.mark.parametrize("name", BENCHMARK_CONFIGS)
@@ -63,6 +65,19 @@ def test_benchmark_configs_lay_over_the_long_tail_preset(name):
     config, preset = load_campaign_config(path, "long-tail"), load_campaign_config(None, "long-tail")
     assert config.round.rollout.engine == "vllm"  # what each file is for
     assert config.round.prompts == preset.round.prompts and config.round.verify == preset.round.verify
+
+
+@pytest.mark.parametrize("name", LEARNING_SPEED_CONFIGS)
+def test_learning_speed_screen_configs_lay_over_the_defaults(name):
+    """The files docs/performance.md's learning-speed screens quote stay valid as the config grows (an unknown or
+    renamed field fails here, not in a reader's forty-minute run)."""
+    path = os.path.join(CONFIGS_DIR, "learning_speed", name)
+    config = load_campaign_config(path, None)  # an unknown field raises ConfigError
+    with open(path) as f:
+        sections = yaml.safe_load(f)["round"]
+    for section, fields in sections.items():
+        for field, value in fields.items():
+            assert getattr(getattr(config.round, section), field) == value, (section, field)
 
 
 def test_the_collection_benchmark_rejects_a_missing_config_before_it_starts(tmp_path):

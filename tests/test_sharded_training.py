@@ -219,7 +219,7 @@ def _load_both_ways(rank: int, path: str, address: str, out: str) -> None:
         ids = torch.tensor([[1, 5, 7, 9, 3, 4]])
         logits = [m(input_ids=ids).logits.detach() for m in (loaded, built)]
         weights = [full_weights(m) for m in (loaded, built)]
-        with open(f"{out}/{rank}.pkl", "wb") as f:  # before the teardown: see the test
+        with open(f"{out}/{rank}.pkl", "wb") as f:  # before the teardown (tasks.train.worker_group.spawn_ranks)
             pickle.dump({"local": local, "tied": tied, "logits": logits, "weights": weights}, f)
         dist.barrier()  # as Worker.leave: a rank that tears its gloo connections down first can abort (SIGABRT)
     finally:
@@ -230,14 +230,13 @@ def test_a_policy_built_on_meta_and_filled_by_shard_is_the_loaded_one(tmp_path):
     """A tied-embedding policy (as Qwen2.5-0.5B) built on the meta device, sharded, then filled from the checkpoint
     a tensor at a time: every parameter a DTensor whose local shard is half of it or less, the head still tied to
     the embedding, and the same weights and logits, bit for bit, as loading it whole and sharding it."""
-    import pickle
     import socket
 
-    import torch.multiprocessing as mp
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from models.builtin.tokenizer import build_char_tokenizer
     from models.checkpoint import save_policy
+    from tasks.train.worker_group import spawn_ranks
 
     torch.manual_seed(0)
     tokenizer = build_char_tokenizer()
@@ -251,16 +250,7 @@ def test_a_policy_built_on_meta_and_filled_by_shard_is_the_loaded_one(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{s.getsockname()[1]}"
-    try:
-        mp.spawn(_load_both_ways, args=(path, address, str(tmp_path)), nprocs=2, join=True)
-    except mp.ProcessExitedException as e:
-        # gloo's teardown after the last barrier aborted a rank in about one run in ten on a 2-core machine
-        # ("terminate called without an active exception"); what this test checks was written before it
-        if e.signal_name != "SIGABRT" or not all((tmp_path / f"{rank}.pkl").exists() for rank in range(2)):
-            raise
-    for rank in range(2):
-        with open(tmp_path / f"{rank}.pkl", "rb") as f:
-            seen = pickle.load(f)
+    for rank, seen in enumerate(spawn_ranks(_load_both_ways, (path, address, str(tmp_path)), 2, str(tmp_path))):
         assert seen["tied"], "the output head is the embedding again after loading"
         for name, (sharded, local, full) in seen["local"].items():
             assert sharded and local <= (full + 1) // 2, (rank, name, local, full)

@@ -234,12 +234,23 @@ def train_in_processes(
         address = f"127.0.0.1:{s.getsockname()[1]}"
     with tempfile.TemporaryDirectory(prefix="rlrounds-group-") as out:
         parent, reference = read_files(parent_dir), read_files(reference_dir) if reference_dir else None
-        args = (world, address, parent, shares, job, out, device, reference)
-        mp.spawn(_process_worker, args=args, nprocs=world, join=True)
-        results = []
-        for rank in range(world):
-            with open(os.path.join(out, f"{rank}.pkl"), "rb") as f:
-                results.append(pickle.load(f))
+        return spawn_ranks(_process_worker, (world, address, parent, shares, job, out, device, reference), world, out)
+
+
+def spawn_ranks(fn, args: tuple, world: int, out: str) -> list:
+    """``fn(rank, *args)`` in ``world`` processes, each writing what it returns to ``out/{rank}.pkl`` before it
+    leaves its process group; the ranks' results in rank order. gloo's teardown after the last barrier was seen to
+    abort a rank ("terminate called without an active exception", SIGABRT) once its work was done: with every
+    rank's result written, that abort is not a failure."""
+    try:
+        mp.spawn(fn, args=args, nprocs=world, join=True)
+    except mp.ProcessExitedException as e:
+        if e.signal_name != "SIGABRT" or not all(os.path.exists(os.path.join(out, f"{r}.pkl")) for r in range(world)):
+            raise
+    results = []
+    for rank in range(world):
+        with open(os.path.join(out, f"{rank}.pkl"), "rb") as f:
+            results.append(pickle.load(f))
     return results
 
 
@@ -262,9 +273,9 @@ def _process_worker(
     except BaseException:
         worker.leave(wait_for_peers=False)  # a peer may be gone: no barrier
         raise
-    worker.leave()
-    with open(os.path.join(out, f"{rank}.pkl"), "wb") as f:
+    with open(os.path.join(out, f"{rank}.pkl"), "wb") as f:  # before the teardown (spawn_ranks)
         pickle.dump(result, f)
+    worker.leave()
 
 
 def node_address() -> str:

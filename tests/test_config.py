@@ -192,8 +192,8 @@ def test_the_verifiers_a_config_may_name_are_the_registrys():
 def test_fields_that_change_only_speed_or_placement_leave_the_config_hash_alone():
     """The hash is part of every stage's resume key: a campaign resumed on a GPU machine, or with speculation turned
     on, must find its records; and the hash of a config at its defaults is the one recorded before these fields
-    were set apart (``rollout.speculative`` is new, so it is left out, as are the train fields added since
-    that leave it alone at their defaults; ``device`` is dumped at its default)."""
+    were set apart (``rollout.speculative`` is new, so it is left out, as are the train and filter fields added
+    since that leave it alone at their defaults; ``device`` is dumped at its default)."""
     import hashlib
     import json
 
@@ -211,6 +211,7 @@ def test_fields_that_change_only_speed_or_placement_leave_the_config_hash_alone(
         "adam_beta2",
     ):
         recorded["train"].pop(added)
+    recorded["filter"].pop("history_baseline_rounds")
     for added in ("environment", "episode"):  # agentic rounds: left out while they are at their defaults
         recorded.pop(added)
     assert (

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
-from tasks.config.base import Config
+from tasks.config.base import AddedInput, Config
 
 
 class FilterConfig(Config):
@@ -16,6 +16,11 @@ class FilterConfig(Config):
     """Divide group-centred rewards by the group's standard deviation (GRPO). Off: Dr. GRPO-style centring only."""
     drop_zero_variance: bool = True
     """Drop groups whose samples all scored the same: their advantages are all zero."""
+    history_baseline_rounds: Annotated[int | None, AddedInput(since="2026-12-07", keyed_at_default=False)] = Field(
+        None, ge=1
+    )
+    """A group that all scored the same trains against its prompt's success rate over this many past committed
+    rounds (at least 4 scored samples, strictly between 0 and 1) instead of being dropped. None: dropped."""
     min_scored_per_group: int = Field(2, ge=2)
     """A group needs at least this many scored samples (after dropping infra failures) to be compared."""
     epsilon: float = Field(1e-6, gt=0)

@@ -19,6 +19,7 @@ the same parent and predicate always give the same version, and running it again
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from datetime import UTC, datetime
 
 import pyarrow as pa
@@ -28,6 +29,7 @@ from storage.query import select_rows
 from storage.trajectories import Manifest, find_version, parent_chain, read_table, rows_to_table, write_version
 from tasks.config.filter import FilterConfig
 from tasks.config.refilter import RefilterRequest, ReverifyRequest
+from tasks.filter.history import history_baselines
 from tasks.filter.stage import DECISION_INPUTS, apply_decisions, decide, filter_stats, with_decisions
 from tasks.round.results import Reverified, TrajectoryVersion
 from tasks.verifiers.pool import VerifierPool
@@ -37,16 +39,28 @@ DERIVED_KIND = "derived"
 
 
 def regroup_rows(
-    rows: list[dict], config: FilterConfig, target_groups: int | None, policy_version: int | None = None
+    rows: list[dict],
+    config: FilterConfig,
+    target_groups: int | None,
+    policy_version: int | None = None,
+    baselines: Mapping[str, float] | None = None,
 ) -> list[dict]:
     """Judge rows again as a round would: per-group advantages, kept flags and drop reasons.
-    ``policy_version``: the policy the rows train (for filter.max_staleness; None: no bound)."""
-    return apply_decisions(rows, decide(rows, config, policy_version), target_groups)
+    ``policy_version``: the policy the rows train (for filter.max_staleness; None: no bound); ``baselines``:
+    prompts' success rates in the history (filter.history_baseline_rounds; ``recorded_baselines``)."""
+    return apply_decisions(rows, decide(rows, config, policy_version, baselines), target_groups)
 
 
 def recorded_policy_version(chain) -> int | None:
     """The policy version the rollout version at the root of a derivation chain was filtered for."""
     return chain[-1].derivation.get("policy_version")
+
+
+def recorded_baselines(root: StorageRoot, chain, config: FilterConfig) -> Mapping[str, float] | None:
+    """The history baselines of the rollout version at the root of a derivation chain, as its round read them:
+    the campaign's committed versions before that round (None when ``config`` sets none)."""
+    rollout = chain[-1].body
+    return history_baselines(root, rollout.get("run_id"), rollout.get("round"), config.history_baseline_rounds)
 
 
 def recorded_filter(chain) -> FilterConfig:
@@ -68,7 +82,11 @@ def run_refilter(*, storage: str, request: RefilterRequest) -> TrajectoryVersion
         config = request.filter or recorded_filter(chain)
         # decisions read a few light columns; the heavy ones (texts, logprobs) stay in Arrow, untouched
         judged = regroup_rows(
-            selected.select(DECISION_INPUTS).to_pylist(), config, request.target_groups, recorded_policy_version(chain)
+            selected.select(DECISION_INPUTS).to_pylist(),
+            config,
+            request.target_groups,
+            recorded_policy_version(chain),
+            recorded_baselines(root, chain, config),
         )
         selected = with_decisions(selected, judged)
     derivation = {
@@ -114,6 +132,7 @@ def reverified_rows(
     verifier: dict,
     config: FilterConfig,
     policy_version: int | None = None,
+    baselines: Mapping[str, float] | None = None,
 ) -> list[dict]:
     """Rows with the chosen ones' verdicts replaced and the groups holding them judged again.
 
@@ -137,7 +156,7 @@ def reverified_rows(
         updated.append(row)
     touched = {group for group, _ in chosen}
     in_touched = [r for r in updated if r["group_id"] in touched]
-    regrouped = iter(apply_decisions(in_touched, decide(in_touched, config, policy_version), None))
+    regrouped = iter(apply_decisions(in_touched, decide(in_touched, config, policy_version, baselines), None))
     return [next(regrouped) if r["group_id"] in touched else r for r in updated]
 
 
@@ -162,7 +181,15 @@ def run_reverify(*, storage: str, request: ReverifyRequest) -> Reverified:
         verdicts = {key: (f.result(), datetime.now(UTC)) for key, f in futures.items()}
     chain = parent_chain(root, parent)
     config = recorded_filter(chain)
-    rows = reverified_rows(table.to_pylist(), set(verdicts), verdicts, identity, config, recorded_policy_version(chain))
+    rows = reverified_rows(
+        table.to_pylist(),
+        set(verdicts),
+        verdicts,
+        identity,
+        config,
+        recorded_policy_version(chain),
+        recorded_baselines(root, chain, config),
+    )
     before = dict(Counter(r["outcome"] for r in chosen_rows))
     after = dict(Counter(v.outcome.value for v, _ in verdicts.values()))
     derivation = {

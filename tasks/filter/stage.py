@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -30,6 +30,7 @@ from storage.trajectories import (
 )
 from tasks.config.base import NotInput
 from tasks.config.filter import FilterConfig
+from tasks.filter.history import history_baselines
 from tasks.round.context import RoundContext
 from tasks.round.results import Stats, TrajectoryVersion
 from tasks.verifiers.outcome import Outcome
@@ -60,6 +61,16 @@ def group_advantages(rewards: list[float], normalize_std: bool, epsilon: float) 
     return [c / (std + epsilon) for c in centred]
 
 
+def history_advantages(rewards: list[float], baseline: float, normalize_std: bool, epsilon: float) -> list[float]:
+    """A group that all scored the same, against its prompt's success rate in the campaign's history (a Bernoulli
+    mean ``p``): r - p, divided by the rate's spread sqrt(p (1 - p)) when normalising (tasks/filter/history.py)."""
+    centred = [r - baseline for r in rewards]
+    if not normalize_std:
+        return centred
+    spread = math.sqrt(baseline * (1.0 - baseline))
+    return [c / (spread + epsilon) for c in centred]
+
+
 def overlong_penalty(length: int, max_tokens: int, buffer: int) -> float:
     """DAPO's soft overlong punishment: 0 up to max_tokens - buffer, then linear down to -1 at max_tokens."""
     start = max_tokens - buffer
@@ -88,12 +99,17 @@ def shaped_reward(row: dict, config: FilterConfig) -> float:
 
 
 def decide(
-    rows: Iterable[dict], config: FilterConfig, policy_version: int | None = None
+    rows: Iterable[dict],
+    config: FilterConfig,
+    policy_version: int | None = None,
+    baselines: Mapping[str, float] | None = None,
 ) -> dict[tuple[str, int], FilterDecision]:
     """Decide every row of a set of groups. Rows need group_id, sample_index, reward, outcome (and
     token_policy_versions, finish_reason, completion_token_ids, sampling for the staleness and
-    overlong rules). ``policy_version``: the version of the policy being trained (the round's parent);
-    None turns the staleness bound off.
+    overlong rules; prompt_id with ``baselines``). ``policy_version``: the version of the policy being trained
+    (the round's parent); None turns the staleness bound off. ``baselines``: prompt id -> its success rate in the
+    campaign's history (filter.history_baseline_rounds); a group that all scored the same on a prompt whose rate
+    lies strictly between 0 and 1 trains against that rate instead of being dropped.
 
     Infrastructure failures, unscored, stale and (by config) overlong samples leave their group; the
     group's advantages are computed over the samples that remain, so a sandbox crash can never count
@@ -116,13 +132,20 @@ def decide(
             else:
                 scored.append(row)
         rewards = [shaped_reward(r, config) for r in scored]
+        baseline = None
+        if baselines and scored and len(set(rewards)) == 1:
+            rate = baselines.get(scored[0]["prompt_id"])
+            baseline = rate if rate is not None and 0.0 < rate < 1.0 else None
         if len(scored) < config.min_scored_per_group:
             reason = DROP_INCOMPLETE
-        elif config.drop_zero_variance and len(set(rewards)) == 1:
+        elif config.drop_zero_variance and len(set(rewards)) == 1 and baseline is None:
             reason = DROP_ZERO_VARIANCE
         else:
             reason = None
-        advantages = group_advantages(rewards, config.normalize_std, config.epsilon) if scored else []
+        if baseline is not None:
+            advantages = history_advantages(rewards, baseline, config.normalize_std, config.epsilon)
+        else:
+            advantages = group_advantages(rewards, config.normalize_std, config.epsilon) if scored else []
         for row, adv in zip(scored, advantages):
             out[(group_id, row["sample_index"])] = FilterDecision(
                 adv if reason is None else 0.0, reason is None, reason
@@ -130,10 +153,15 @@ def decide(
     return out
 
 
-def group_is_trainable(rows: list[dict], config: FilterConfig, policy_version: int | None = None) -> bool:
+def group_is_trainable(
+    rows: list[dict],
+    config: FilterConfig,
+    policy_version: int | None = None,
+    baselines: Mapping[str, float] | None = None,
+) -> bool:
     """Would this group survive filtering? Used by rollout to know when the trainable batch is full.
     ``rows``: its samples, with the fields ``decide`` reads."""
-    return any(d.kept for d in decide(rows, config, policy_version).values())
+    return any(d.kept for d in decide(rows, config, policy_version, baselines).values())
 
 
 def apply_decisions(
@@ -210,6 +238,7 @@ def filter_stats(rows: list[dict]) -> dict[str, float]:
 
 DECISION_INPUTS = (
     "group_id",
+    "prompt_id",
     "sample_index",
     "reward",
     "outcome",
@@ -269,7 +298,8 @@ def run_filter(
         carry = read_staged_carryover(root, carryover)
         if carry is not None:
             attachments[CARRYOVER] = carry
-    rows = apply_decisions(rows, decide(rows, config, ctx.parent_policy_version), target_groups)
+    history = history_baselines(root, ctx.run_id, ctx.round, config.history_baseline_rounds)
+    rows = apply_decisions(rows, decide(rows, config, ctx.parent_policy_version, history), target_groups)
     table = with_decisions(table, rows)
     meta = {
         "kind": "rollout",

@@ -20,7 +20,7 @@ import statistics
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 
 from transformers import PreTrainedTokenizerBase
@@ -58,9 +58,10 @@ class RolloutCollection:
 
     ``target_groups``: trainable groups the round needs. ``policy_version``: the policy being trained on these rows
     (filter.max_staleness is judged against it; None: not). ``solved``: prompt ids the curriculum draws with
-    probability ``prompts.solved_weight``. ``max_context``: the model's positions; a prompt that cannot fit with
-    rollout.max_tokens is an input error, raised before it is generated (the engine would fail deep inside, or
-    silently wrap)."""
+    probability ``prompts.solved_weight``. ``baselines``: prompts' success rates in the history, for
+    filter.history_baseline_rounds (tasks/filter/history.py). ``max_context``: the model's positions; a prompt that
+    cannot fit with rollout.max_tokens is an input error, raised before it is generated (the engine would fail deep
+    inside, or silently wrap)."""
 
     def __init__(
         self,
@@ -78,11 +79,13 @@ class RolloutCollection:
         max_context: int | None = None,
         policy_version: int | None = None,
         solved: frozenset[str] = frozenset(),
+        baselines: Mapping[str, float] | None = None,
     ) -> None:
         self.engine, self.tokenizer = engine, tokenizer
         self.prompts, self.rollout, self.verify, self.filtering = prompts, rollout, verify, filtering
         self.target_groups, self.seed, self.run_id, self.round_index = target_groups, seed, run_id, round_index
         self.max_context, self.policy_version, self.solved = max_context, policy_version, solved
+        self.baselines = baselines
         self.verifier_name = verify.verifier or prompts.task
         self.sampling = SamplingParams(
             rollout.temperature, rollout.top_p, rollout.max_tokens, seed, stop=tuple(rollout.stop)
@@ -129,6 +132,7 @@ class RolloutCollection:
         rows = [
             {
                 "group_id": group.request.group_id,
+                "prompt_id": group.meta.prompt.prompt_id,
                 "sample_index": slot.index,
                 "reward": slot.verdict.reward,
                 "outcome": slot.verdict.outcome.value,
@@ -139,7 +143,7 @@ class RolloutCollection:
             }
             for slot in group.slots
         ]
-        return group_is_trainable(rows, self.filtering, self.policy_version)
+        return group_is_trainable(rows, self.filtering, self.policy_version, self.baselines)
 
     def decode(self, token_ids: list[int]) -> str:
         key = tuple(token_ids)

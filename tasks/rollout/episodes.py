@@ -25,7 +25,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
 
 from models.engines.sessions import open_session
@@ -74,9 +74,11 @@ class EpisodeCollection:
         max_context: int | None = None,
         policy_version: int | None = None,
         solved: frozenset[str] = frozenset(),
+        baselines: Mapping[str, float] | None = None,
     ) -> None:
         self.engine, self.tokenizer = engine, tokenizer
         self.environment, self.episode = environment, episode
+        self.baselines = baselines  # filter.history_baseline_rounds (tasks/filter/history.py)
         self.prompts, self.rollout, self.filtering = prompts, rollout, filtering
         self.target_groups, self.seed, self.run_id, self.round_index = target_groups, seed, run_id, round_index
         self.max_context, self.policy_version, self.solved = max_context, policy_version, solved
@@ -119,7 +121,7 @@ class EpisodeCollection:
         def enough(group: list[EpisodeRecord]) -> bool:
             nonlocal trainable, batch_ready_at
             if group_is_trainable([self._decision_row(r, i) for i, r in enumerate(group)], self.filtering,
-                                  self.policy_version):  # fmt: skip
+                                  self.policy_version, self.baselines):  # fmt: skip
                 trainable += 1
             if trainable >= self.target_groups and batch_ready_at is None:
                 batch_ready_at = time.time()
@@ -177,6 +179,7 @@ class EpisodeCollection:
         """The fields filter's decision reads, for the ready test of a finished group."""
         return {
             "group_id": record.group_id,
+            "prompt_id": self.drawn[record.group_id][0].prompt_id,
             "sample_index": index,
             "reward": record.reward,
             "outcome": record.outcome.value,

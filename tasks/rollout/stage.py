@@ -21,6 +21,7 @@ from tasks.config.filter import FilterConfig
 from tasks.config.prompts import PromptsConfig
 from tasks.config.rollout import RolloutConfig
 from tasks.config.verify import VerifyConfig
+from tasks.filter.history import history_baselines
 from tasks.rollout.collection import RolloutCollection
 from tasks.rollout.curriculum import solved_prompts
 from tasks.rollout.episodes import EpisodeCollection
@@ -81,6 +82,7 @@ def run_rollout(
     solved = frozenset()
     if prompts.solved_weight < 1:
         solved = solved_prompts(root, ctx.run_id, ctx.round, prompts.history_rounds)
+    baselines = history_baselines(root, ctx.run_id, ctx.round, filtering.history_baseline_rounds)
     start, start_version = ctx.parent_checkpoint, ctx.parent_policy_version
     if overlap is not None:
         start, start_version = overlap.start_checkpoint, overlap.start_version
@@ -113,6 +115,7 @@ def run_rollout(
             max_context=context_length(local),
             policy_version=ctx.parent_policy_version,
             solved=solved,
+            baselines=baselines,
         )
         result = episodes.collect(progress=progress)
         check_infra_failure_rate(result.stats, verify.max_infra_failure_rate, ctx.round)
@@ -132,6 +135,7 @@ def run_rollout(
         max_context=context_length(local),
         policy_version=ctx.parent_policy_version,
         solved=solved,
+        baselines=baselines,
     )
     with RoundSpeculation(engine, rollout.speculative, root, ctx.run_id, ctx.round) as speculation:
         if speculation.why_not and progress:

@@ -3,6 +3,10 @@ rollouts on (the default) and off, and with the verifier called on the rollout's
 the built-in task's) or through the verifier pool's worker threads, measured in one run.
 
     python benchmarks/rollout_round.py --storage DIR [--groups 2048] [--repeats 2] [--device auto] [--json PATH]
+    python benchmarks/rollout_round.py --storage DIR --max-batch 1024,4096 [--repeats 3]
+
+``--max-batch``: instead, the default round's rollout (partial rollouts, the verifier inline) on an engine of each
+``rollout.max_batch`` given, alternated within each repeat; the first width is the baseline of the ratios.
 
 DIR is a storage root; the built-in base is built there on first use (a minute or two) and reused after.
 The base build and the engine run on ``--device`` (auto: CUDA when visible, else the CPU).
@@ -53,6 +57,34 @@ def one_round(engine, tokenizer, groups: int, partial: bool, seed: int, inline: 
     }
 
 
+def compare_widths(engines: dict, tokenizer, groups: int, repeats: int, json_path: str | None) -> None:
+    """The default round's rollout at each engine width, alternated; ratios against the first width."""
+    runs: dict[int, list[dict]] = {w: [] for w in engines}
+    for repeat in range(repeats):
+        for width, engine in engines.items():
+            r = one_round(engine, tokenizer, groups, partial=True, seed=repeat)
+            runs[width].append(r)
+            print(
+                f"repeat {repeat} max_batch {width:5d}: stage {r['seconds']:6.2f} s, time to trainable batch "
+                f"{r['time_to_trainable_batch_s']:6.2f} s, {r['rows']} rows, {r['carried_samples']} carried over",
+                flush=True,
+            )
+    base = next(iter(engines))
+    summary = {
+        w: {k: statistics.median(r[k] for r in rs) for k in ("seconds", "rows", "carried_samples")}
+        for w, rs in runs.items()
+    }
+    for width, figures in summary.items():
+        ratio = summary[base]["seconds"] / figures["seconds"]
+        print(
+            f"max_batch {width}: median stage {figures['seconds']:.2f} s ({ratio:.2f}x the speed of {base}), "
+            f"{figures['rows']:.0f} rows, {figures['carried_samples']:.0f} carried over"
+        )
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"median": summary, "runs": runs}, f, indent=2)
+
+
 def main() -> None:
     from tasks.config.train import TrainConfig
 
@@ -68,6 +100,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (as a round's device)")
     parser.add_argument("--json", help="write the figures here")
+    parser.add_argument("--max-batch", help="compare engine widths instead (comma-separated rollout.max_batch)")
     args = parser.parse_args()
 
     from storage import checkpoints
@@ -79,6 +112,14 @@ def main() -> None:
     local = checkpoints.local_copy(StorageRoot.of(args.storage), base.checkpoint)
     engine = build_engine("embedded", local, dtype="float32", policy_version=0, max_batch=1024, device=args.device)
     tokenizer = load_tokenizer(local)
+    if args.max_batch:
+        widths = [int(w) for w in args.max_batch.split(",")]
+        engines = {
+            w: build_engine("embedded", local, dtype="float32", policy_version=0, max_batch=w, device=args.device)
+            for w in widths
+        }
+        compare_widths(engines, tokenizer, args.groups, args.repeats, args.json)
+        return
     modes = (("partial_rollouts", True, True), ("run_to_completion", False, True), ("verifier_threads", True, False))
     runs: dict[str, list[dict]] = {mode: [] for mode, _, _ in modes}
     for repeat in range(args.repeats):

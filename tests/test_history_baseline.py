@@ -12,7 +12,14 @@ from test_store import make_row
 
 from storage.paths import StorageRoot
 from tasks.config.filter import FilterConfig
-from tasks.filter.stage import DROP_ZERO_VARIANCE, decide, group_is_trainable, history_advantages
+from tasks.filter.stage import (
+    DROP_ZERO_VARIANCE,
+    apply_decisions,
+    decide,
+    filter_stats,
+    group_is_trainable,
+    history_advantages,
+)
 
 OK, BAD, INFRA = "success", "model_failure", "infra_failure"
 
@@ -57,8 +64,12 @@ def test_a_group_that_all_scored_the_same_trains_against_its_prompts_rate():
     # a rate of 1 (or 0) says nothing new, and a prompt without history has none: dropped as before
     for group in ("sure", "new"):
         assert all(not d[(group, i)].kept and d[(group, i)].drop_reason == DROP_ZERO_VARIANCE for i in range(4))
+    # the round's figures count the groups trained against their history
+    stats = filter_stats(apply_decisions(rows, d, None))
+    assert stats["filter/kept_groups"] == 3 and stats["filter/kept_uniform_groups"] == 2
     # off (no baselines), the same rows are decided as GRPO always did
     off = decide(rows, FilterConfig())
+    assert filter_stats(apply_decisions(rows, off, None))["filter/kept_uniform_groups"] == 0
     assert all(off[(g, i)].drop_reason == DROP_ZERO_VARIANCE for g in ("right", "wrong") for i in range(4))
     # without normalising: centred on the rate only
     assert history_advantages([0.0, 0.0], 0.2, normalize_std=False, epsilon=1e-6) == pytest.approx([-0.2, -0.2])
@@ -130,5 +141,6 @@ def test_refilter_reads_the_history_its_round_read(tmp_path):
     # g3 (prompt p3) all right, solved 1 of 4 in round 1: (1 - 0.25) / sqrt(0.1875) = sqrt(3)
     assert [r["advantage"] for r in by_group["g3"]] == pytest.approx([math.sqrt(3)] * 4, abs=1e-5)
     assert all(r["kept"] for r in by_group["g3"]) and result.stats["filter/kept_groups"] == 2
+    assert result.stats["filter/kept_uniform_groups"] == 1  # g3: trained against its history
     # p0's history is all right (rate 1): its mixed group g0 is judged within itself
     assert [r["advantage"] for r in by_group["g0"]] == pytest.approx([1.0, -1.0, 1.0, -1.0], abs=1e-5)

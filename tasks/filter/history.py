@@ -5,7 +5,8 @@ was paid for. Its prompt's earlier groups say how often the policy solved it lat
 baseline, a group all right on a prompt solved at ``p`` < 1 still says "these answers are better than usual"
 (advantage ``1 - p``), one all wrong on a prompt solved at ``p`` > 0 the opposite (``-p``). The baseline does
 not depend on the group's own samples, so the policy gradient stays unbiased; it is only noisier than a
-group's mean (filter.history_baseline, docs/training.md).
+group's mean (filter.history_baseline_rounds, docs/training.md). ``filter/kept_uniform_groups`` counts the
+groups a round trained this way.
 
 The inputs are committed versions before the round only, so the rates are the same whenever the round is
 filtered again (a resumed crash, a refilter): they are a function of the store.

@@ -118,7 +118,7 @@ def commit_derived(root: StorageRoot, parent: Manifest, rows: pa.Table, derivati
         "derivation": derivation,
     }
     manifest = write_version(root, root.derived_version, rows, meta)
-    stats = filter_stats(rows.select(["group_id", "kept", "drop_reason"]).to_pylist())
+    stats = filter_stats(rows.select(["group_id", "kept", "drop_reason", "reward"]).to_pylist())
     return TrajectoryVersion(version=manifest.version, uri=manifest.directory, parent=parent.version, stats=stats)
 
 

@@ -231,6 +231,14 @@ def filter_stats(rows: list[dict]) -> dict[str, float]:
     stats["filter/kept_rows_spanning_versions"] = sum(
         1 for r in rows if r["kept"] and len(set(sampled_versions(r.get("token_policy_versions")))) > 1
     )
+    if rows and "reward" in rows[0]:
+        # kept groups whose samples all scored the same: trained against their prompt's history rate
+        # (filter.history_baseline_rounds), or kept at zero advantage with filter.drop_zero_variance off
+        rewards: dict[str, set] = defaultdict(set)
+        for r in rows:
+            if r["kept"]:
+                rewards[r["group_id"]].add(r["reward"])
+        stats["filter/kept_uniform_groups"] = sum(1 for scored in rewards.values() if len(scored) == 1)
     return stats
 
 
@@ -278,7 +286,7 @@ def run_filter(
     root = StorageRoot.of(ctx.storage)
     committed = committed_round_version(root, ctx.run_id, ctx.round)
     if committed is not None:
-        columns = ["group_id", "kept", "drop_reason", "completion_token_ids", "token_policy_versions"]
+        columns = ["group_id", "kept", "drop_reason", "reward", "completion_token_ids", "token_policy_versions"]
         rows = read_table(root, committed, columns=columns).to_pylist()
         return TrajectoryVersion(
             version=committed.version, uri=committed.directory, stats=filter_stats(rows), resumed=True

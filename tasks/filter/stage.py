@@ -132,13 +132,12 @@ def decide(
             else:
                 scored.append(row)
         rewards = [shaped_reward(r, config) for r in scored]
-        baseline = None
-        if baselines and scored and len(set(rewards)) == 1:
-            rate = baselines.get(scored[0]["prompt_id"])
-            baseline = rate if rate is not None and 0.0 < rate < 1.0 else None
+        uniform = len(set(rewards)) == 1  # every scored sample the same: no signal within the group
+        rate = baselines.get(scored[0]["prompt_id"]) if baselines and uniform else None
+        baseline = rate if rate is not None and 0.0 < rate < 1.0 else None
         if len(scored) < config.min_scored_per_group:
             reason = DROP_INCOMPLETE
-        elif config.drop_zero_variance and len(set(rewards)) == 1 and baseline is None:
+        elif config.drop_zero_variance and uniform and baseline is None:
             reason = DROP_ZERO_VARIANCE
         else:
             reason = None

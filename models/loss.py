@@ -5,7 +5,7 @@ Notation per completion token t of sample i:
     behaviour[i,t]   log mu(token)                 engine, at sampling time
     proximal[i,t]    log pi_old(token)             trainer at the weights the engine sampled with
                                                    (optional; None -> behaviour stands in)
-    A[i]             group-normalised advantage of sample i
+    A[i]             group-normalised advantage of sample i (or A[i,t] per token: train.credit 'prefix')
 
     ratio = exp(logp - proximal)                                    # PPO trust region on the trainer's own numbers
     tis   = min(exp(proximal - behaviour), tis_cap)  (detached)     # engine/trainer mismatch correction
@@ -32,7 +32,7 @@ import torch
 class LossInputs:
     logprobs: torch.Tensor  # [B, T] trainer logprobs, with grad
     behaviour_logprobs: torch.Tensor  # [B, T] engine logprobs
-    advantages: torch.Tensor  # [B]
+    advantages: torch.Tensor  # [B], or [B, T] per token (train.credit 'prefix')
     mask: torch.Tensor  # [B, T] 1.0 on completion tokens
     proximal_logprobs: torch.Tensor | None = None  # [B, T]
     ref_logprobs: torch.Tensor | None = None  # [B, T] reference policy, for the KL penalty
@@ -104,7 +104,7 @@ def _limit(max_tokens: int | None) -> int:
 def policy_loss(x: LossInputs, s: LossSettings) -> LossOutput:
     mask = x.mask.float()
     proximal = x.behaviour_logprobs if x.proximal_logprobs is None else x.proximal_logprobs
-    adv = x.advantages.unsqueeze(-1)  # [B, 1]
+    adv = x.advantages if x.advantages.dim() == 2 else x.advantages.unsqueeze(-1)  # [B, T] or [B, 1]
     ratio = torch.exp(x.logprobs - proximal)  # [B, T]
     clipped = ratio.clamp(1.0 - s.clip_low, 1.0 + s.clip_high)
     surrogate = torch.minimum(ratio * adv, clipped * adv)  # [B, T]

@@ -209,9 +209,11 @@ def test_fields_that_change_only_speed_or_placement_leave_the_config_hash_alone(
         "warmup_steps",
         "drift_target",
         "adam_beta2",
+        "credit",
     ):
         recorded["train"].pop(added)
-    recorded["filter"].pop("history_baseline_rounds")
+    for added in ("history_baseline_rounds", "keep_samples"):
+        recorded["filter"].pop(added)
     for added in ("environment", "episode"):  # agentic rounds: left out while they are at their defaults
         recorded.pop(added)
     assert (

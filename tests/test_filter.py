@@ -149,3 +149,34 @@ def test_overlong_samples_are_kept_dropped_or_penalised():
     all_right = _with(_rows("h", [1.0, 1.0]), finish=["stop", "length"], lengths=[3, 10], max_tokens=10)
     assert not any(x.kept for x in decide(all_right, FilterConfig()).values())
     assert all(x.kept for x in decide(all_right, FilterConfig(overlong="penalty")).values())
+
+
+def test_keep_samples_trains_on_a_groups_most_varied_samples():
+    """``filter.keep_samples``: 6 right and 2 wrong of 8 keep 2 of each (the lowest sample indexes among equals),
+    advantages over the four kept; 1 right of 8 keeps it and three wrong; a group within the limit, and one that all
+    scored the same, are decided as without it; infrastructure failures leave before the choice."""
+    from tasks.filter.stage import DROP_DOWN_SAMPLED, filter_stats, most_varied
+
+    config = FilterConfig(keep_samples=4)
+    d = decide(_rows("g", [1.0, 1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0]), config)
+    assert [i for i in range(8) if d[("g", i)].kept] == [0, 1, 2, 5]
+    assert {d[("g", i)].drop_reason for i in (3, 4, 6, 7)} == {DROP_DOWN_SAMPLED}
+    assert [d[("g", i)].advantage for i in (0, 1, 2, 5)] == pytest.approx([1.0, 1.0, -1.0, -1.0], abs=1e-5)
+    d = decide(_rows("g", [0.0] * 5 + [1.0] + [0.0] * 2), config)
+    assert [i for i in range(8) if d[("g", i)].kept] == [0, 1, 2, 5]
+    assert d[("g", 5)].advantage == pytest.approx(math.sqrt(3), abs=1e-5)
+    within = _rows("g", [1.0, 0.0, 0.0, 1.0])
+    assert decide(within, config) == decide(within, FilterConfig())
+    uniform = _rows("g", [1.0] * 8)
+    assert decide(uniform, config) == decide(uniform, FilterConfig())
+    failed = _rows("g", [1.0, None, 0.0, 1.0, 0.0], ["success", "infra_failure", *["x"] * 3])
+    failed[2]["outcome"] = failed[4]["outcome"] = "model_failure"
+    failed[3]["outcome"] = "success"
+    d = decide(failed, config)
+    assert d[("g", 1)].drop_reason == DROP_INFRA and all(d[("g", i)].kept for i in (0, 2, 3, 4))
+    rows = apply_decisions(_rows("g", [1.0] * 6 + [0.0] * 2), decide(_rows("g", [1.0] * 6 + [0.0] * 2), config), None)
+    assert filter_stats(rows)["filter/dropped_down_sampled"] == 4
+    # graded rewards: the two highest and the two lowest
+    assert most_varied([0.1, 0.5, 0.9, 0.3, 0.7, 0.2], list(range(6)), 4) == [0, 2, 4, 5]
+    # three of 0, 0.5, 0.5, 0.5, 1: the ends and the first 0.5
+    assert most_varied([0.0, 0.5, 0.5, 0.5, 1.0], list(range(5)), 3) == [0, 1, 4]

@@ -282,3 +282,40 @@ def test_a_recorded_config_without_warm_up_replays_without_it():
     del older["warmup_steps"]
     assert TrainConfig().warmup_steps == 8 and TrainConfig.recorded(older).warmup_steps == 0
     assert TrainConfig.recorded(TrainConfig().model_dump(mode="json")).warmup_steps == 8
+
+
+# -- 4. a group's most varied samples, and prefix credit ----------------------------------------------
+
+
+def test_a_round_trains_on_each_groups_most_varied_samples_with_prefix_credit(tmp_path, tiny_policy_dir, coin_verifier):
+    """A real round at four samples a prompt and ``filter.keep_samples: 2``: every kept group commits one right and
+    one wrong sample at +-1 and its other two as 'down_sampled' (rollout counts a group trainable by the same
+    decision); the round then trains on them under ``train.credit: prefix``, which moves the weights otherwise than
+    'sample' does."""
+    from collections import defaultdict
+
+    from storage.paths import StorageRoot
+    from storage.trajectories import committed_round_version, read_table
+
+    storage = str(tmp_path / "data")
+    ctx = _context(storage, tiny_policy_dir)
+    config = _round_config({"credit": "prefix"}).model_copy(deep=True)
+    config.filter.keep_samples = 2
+    uri = _trajectories(ctx, config)
+    rows = read_table(StorageRoot.of(storage), committed_round_version(StorageRoot.of(storage), "t", 1)).to_pylist()
+    kept = defaultdict(list)
+    for row in rows:
+        if row["kept"]:
+            kept[row["group_id"]].append(row)
+    assert len(kept) == config.target_groups
+    for group_id, members in kept.items():
+        assert sorted(r["reward"] for r in members) == [0.0, 1.0]
+        assert sorted(round(r["advantage"], 4) for r in members) == [-1.0, 1.0]
+        others = [r for r in rows if r["group_id"] == group_id and not r["kept"]]
+        assert [r["drop_reason"] for r in others] == ["down_sampled"] * 2
+    prefix = _train(ctx, uri, config, str(tmp_path / "prefix"))
+    assert prefix.stats["train/samples"] == 2 * config.target_groups
+    sample = _train(ctx, uri, config.model_copy(update={"train": config.train.model_copy(update={"credit": "sample"})}),
+                    str(tmp_path / "sample"))  # fmt: skip
+    a, b = _weights(prefix.checkpoint), _weights(sample.checkpoint)
+    assert any(not a[k].equal(b[k]) for k in a)

@@ -21,6 +21,9 @@ class FilterConfig(Config):
     )
     """A group that all scored the same trains against its prompt's success rate over this many past committed
     rounds (at least 4 scored samples, strictly between 0 and 1) instead of being dropped. None: dropped."""
+    keep_samples: Annotated[int | None, AddedInput(since="2026-12-07", keyed_at_default=False)] = Field(None, ge=2)
+    """Train on at most this many of a group's scored samples: those whose rewards vary most (the highest and
+    lowest, equal rewards by sample index); the rest are dropped ('down_sampled') before advantages. None: all."""
     min_scored_per_group: int = Field(2, ge=2)
     """A group needs at least this many scored samples (after dropping infra failures) to be compared."""
     epsilon: float = Field(1e-6, gt=0)

@@ -61,6 +61,10 @@ class TrainConfig(Config):
     adam_beta2: Annotated[float, AddedInput(since="2026-12-07", keyed_at_default=False)] = Field(0.999, gt=0.0, lt=1.0)
     """AdamW's second-moment decay: lower forgets old gradient scales sooner, so later steps grow as gradients shrink.
     0.99 reached 90% later than 0.999 in the default campaign (docs/performance.md)."""
+    credit: Annotated[Literal["sample", "prefix"], AddedInput(since="2026-12-07", keyed_at_default=False)] = "sample"
+    """How a sample's advantage reaches its tokens. 'sample': every token takes it (GRPO). 'prefix': a token takes the
+    change it makes to the mean advantage of its group's samples sharing its prefix, so credit lands where samples
+    part ways."""
     max_grad_norm: float = Field(1.0, gt=0.0)
     """Global gradient-norm clip."""
     weight_decay: float = Field(0.0, ge=0.0)

@@ -42,6 +42,7 @@ DROP_INCOMPLETE = "incomplete_group"  # too few scored samples left in the group
 DROP_OVERFLOW = "batch_full"  # a complete group that arrived after the trainable batch was full
 DROP_STALE = "stale"  # its oldest token lags the trained policy by more than filter.max_staleness versions
 DROP_OVERLONG = "overlong"  # cut at the sampling limit, with filter.overlong = 'drop'
+DROP_DOWN_SAMPLED = "down_sampled"  # left out of a group's most varied filter.keep_samples samples
 
 
 @dataclass
@@ -132,6 +133,13 @@ def decide(
             else:
                 scored.append(row)
         rewards = [shaped_reward(r, config) for r in scored]
+        if config.keep_samples is not None and len(scored) > config.keep_samples and len(set(rewards)) > 1:
+            chosen = set(most_varied(rewards, [r["sample_index"] for r in scored], config.keep_samples))
+            for index, row in enumerate(scored):
+                if index not in chosen:
+                    out[(group_id, row["sample_index"])] = FilterDecision(0.0, False, DROP_DOWN_SAMPLED)
+            scored = [row for index, row in enumerate(scored) if index in chosen]
+            rewards = [reward for index, reward in enumerate(rewards) if index in chosen]
         uniform = len(set(rewards)) == 1  # every scored sample the same: no signal within the group
         rate = baselines.get(scored[0]["prompt_id"]) if baselines and uniform else None
         baseline = rate if rate is not None and 0.0 < rate < 1.0 else None
@@ -150,6 +158,23 @@ def decide(
                 adv if reason is None else 0.0, reason is None, reason
             )
     return out
+
+
+def most_varied(rewards: list[float], order: list[int], keep: int) -> list[int]:
+    """Positions of the ``keep`` rewards whose population variance is largest: for some i, the i highest and the
+    ``keep - i`` lowest (a subset of largest variance always has that form), i as near ``keep / 2`` as the
+    variance allows; among equal rewards the lower ``order`` (sample index) first. In position order."""
+    high = sorted(range(len(rewards)), key=lambda p: (-rewards[p], order[p]))
+    low = sorted(range(len(rewards)), key=lambda p: (rewards[p], order[p]))
+    best, best_spread = None, -1.0
+    for i in sorted(range(keep + 1), key=lambda i: (abs(2 * i - keep), i)):
+        top = high[:i]
+        subset = top + [p for p in low if p not in top][: keep - i]
+        mean = sum(rewards[p] for p in subset) / keep
+        spread = sum((rewards[p] - mean) ** 2 for p in subset)
+        if spread > best_spread + 1e-12:
+            best, best_spread = subset, spread
+    return sorted(best)
 
 
 def group_is_trainable(
@@ -223,6 +248,7 @@ def filter_stats(rows: list[dict]) -> dict[str, float]:
         DROP_OVERFLOW,
         DROP_STALE,
         DROP_OVERLONG,
+        DROP_DOWN_SAMPLED,
     ):
         stats[f"filter/dropped_{reason}"] = reasons.get(reason, 0)
     if rows and "completion_token_ids" in rows[0]:

@@ -29,6 +29,9 @@ class TrainBatch:
     policy_mask: list[list[bool]] | None = None
     """Per completion token, whether the policy sampled it: False at an episode's observation tokens, which stay in
     the sequence the trainer scores and out of the loss. None: every token is the policy's (single-turn rows)."""
+    token_advantages: list[list[float]] | None = None
+    """Per completion token, its advantage under ``train.credit: prefix`` (``prefix_credit``). None: every token
+    takes its sample's."""
 
     def policy_tokens(self) -> int:
         """Completion tokens in the loss (observation tokens not counted)."""
@@ -43,14 +46,16 @@ def minibatches(
     steps: int,
     shuffle_seed: int | None = None,
     carried_before: int | None = None,
+    credit: str = "sample",
 ) -> list[TrainBatch]:
     """Kept rows (in stored order) -> up to ``steps`` minibatches of whole groups: in stored order, or
     with ``shuffle_seed`` in the order of a hash of (seed, group id), which depends on nothing but the
     rows and the seed (``TrainConfig.minibatch_order``). With ``carried_before`` (the round's parent version) as
     well, groups holding a token another version sampled (``carried_over``) come first, in the same hashed order
-    among themselves: they fill as few minibatches as they can."""
+    among themselves: they fill as few minibatches as they can. ``credit``: ``train.credit``."""
     return [
-        batch_of(sum(groups, [])) for groups in step_groups(rows, groups_per_step, steps, shuffle_seed, carried_before)
+        batch_of(sum(groups, []), credit=credit)
+        for groups in step_groups(rows, groups_per_step, steps, shuffle_seed, carried_before)
     ]
 
 
@@ -61,6 +66,7 @@ def sharded_minibatches(
     shuffle_seed: int | None,
     workers: int,
     carried_before: int | None = None,
+    credit: str = "sample",
 ) -> list[list[TrainBatch]]:
     """``minibatches`` split between ``workers``: per worker, its share of every minibatch, whole groups in
     contiguous runs (so a group's samples share their prompt's pass), each share carrying its minibatch's
@@ -74,7 +80,7 @@ def sharded_minibatches(
         bounds = [len(groups) * w // workers for w in range(workers + 1)]
         for worker, (a, b) in enumerate(zip(bounds, bounds[1:])):
             mine = sum(groups[a:b], [])
-            shares[worker].append(batch_of(mine or groups[0], totals, idle=not mine))
+            shares[worker].append(batch_of(mine or groups[0], totals, idle=not mine, credit=credit))
     return shares
 
 
@@ -116,7 +122,9 @@ def sampling_limit(row: dict) -> int:
     return (row.get("sampling") or {}).get("max_tokens") or 0
 
 
-def batch_of(chosen: list[dict], step: StepTotals | None = None, idle: bool = False) -> TrainBatch:
+def batch_of(
+    chosen: list[dict], step: StepTotals | None = None, idle: bool = False, credit: str = "sample"
+) -> TrainBatch:
     masks = [policy_mask(r) for r in chosen]
     return TrainBatch(
         prompt_ids=[r["prompt_token_ids"] for r in chosen],
@@ -131,7 +139,43 @@ def batch_of(chosen: list[dict], step: StepTotals | None = None, idle: bool = Fa
         policy_mask=None
         if all(m is None for m in masks)
         else [[True] * len(r["completion_token_ids"]) if m is None else m for r, m in zip(chosen, masks)],
+        token_advantages=None if credit == "sample" else token_credit(chosen),
     )
+
+
+def token_credit(rows: list[dict]) -> list[list[float]]:
+    """Per row (in order), its tokens' advantages under prefix credit, by group (``prefix_credit``)."""
+    groups: dict[str, list[int]] = {}
+    for index, row in enumerate(rows):
+        groups.setdefault(row["group_id"], []).append(index)
+    out: list[list[float]] = [[] for _ in rows]
+    for members in groups.values():
+        credits = prefix_credit(
+            [rows[i]["completion_token_ids"] for i in members], [rows[i]["advantage"] for i in members]
+        )
+        for index, credit in zip(members, credits):
+            out[index] = credit
+    return out
+
+
+def prefix_credit(completions: list[list[int]], advantages: list[float]) -> list[list[float]]:
+    """One group's samples -> per completion token, the change its choice makes to the mean advantage of the group's
+    samples that share the completion up to it: Q(prefix + token) - Q(prefix), Q(empty) = 0 (an advantage is already
+    centred on its baseline). Tokens the group agrees on carry none of a sample's credit, the token where samples part
+    ways carries it, and a sample's tokens after it has parted from every other carry none. A sample's credits add up
+    to the mean advantage of the samples identical to it (its own advantage, unless a longer sample extends it); summed
+    over the group, each token position's gradient is GRPO's with a baseline per prefix instead of per group."""
+    out = []
+    for own, tokens in enumerate(completions):
+        alive, before, credit = list(range(len(completions))), 0.0, []
+        for t, token in enumerate(tokens):
+            if len(alive) > 1:
+                alive = [j for j in alive if len(completions[j]) > t and completions[j][t] == token]
+            value = sum(advantages[j] for j in alive) / len(alive) if len(alive) > 1 else advantages[own]
+            credit.append(value - before)
+            before = value
+        out.append(credit)
+    return out
 
 
 def _group_key(seed: int, group_id: str) -> bytes:
@@ -166,6 +210,7 @@ def microbatches(batch: TrainBatch, config: TrainConfig) -> list[TrainBatch]:
             step=totals,
             idle=batch.idle,
             policy_mask=None if batch.policy_mask is None else batch.policy_mask[a:b],
+            token_advantages=None if batch.token_advantages is None else batch.token_advantages[a:b],
         )
         for a, b in zip(bounds, bounds[1:])
     ]

@@ -333,7 +333,10 @@ def part_step(
         drifted.append(logprob_mismatch(logp.detach(), sampling, mask * current))
     on = mask.bool()
     freshness = torch.stack([(current_version - versions)[on], (logp.detach() - behaviour)[on]], dim=-1).cpu()
-    advantages = torch.tensor(batch.advantages, dtype=torch.float32, device=device)
+    if batch.token_advantages is None:  # [B]: every token its sample's
+        advantages = torch.tensor(batch.advantages, dtype=torch.float32, device=device)
+    else:  # [B, C]: train.credit 'prefix'
+        advantages = right_padded(batch.token_advantages, width).to(device)
     inputs = LossInputs(
         logprobs=logp,
         behaviour_logprobs=behaviour,

@@ -94,7 +94,9 @@ def run_train(
     shuffle_seed = None if config.minibatch_order == "stored" else config.seed
     # carried-over groups together: only the minibatches holding them need the proximal pass (proximal_plan)
     carried_before = ctx.parent_policy_version if config.minibatch_order == "carried_first" else None
-    batches = minibatches(rows, config.groups_per_step, config.steps_per_round, shuffle_seed, carried_before)
+    batches = minibatches(
+        rows, config.groups_per_step, config.steps_per_round, shuffle_seed, carried_before, config.credit
+    )
     recompute = proximal_plan(
         config.recompute_proximal, rollout_dtype, [r["engine"] for r in rows], batches, ctx.parent_policy_version
     )
@@ -123,7 +125,13 @@ def run_train(
             group = trainers.group(config.workers, device, ray_address)
             progress(f"train: {config.workers} workers ({'GPU' if group.on_gpu else 'CPU'}), {len(batches)} steps")
             shares = sharded_minibatches(
-                rows, config.groups_per_step, config.steps_per_round, shuffle_seed, config.workers, carried_before
+                rows,
+                config.groups_per_step,
+                config.steps_per_round,
+                shuffle_seed,
+                config.workers,
+                carried_before,
+                config.credit,
             )
             job = TrainJob(
                 shares=[],

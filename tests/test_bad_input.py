@@ -226,6 +226,11 @@ def test_bad_config_value_names_the_field(capsys, tmp_path):
     assert_one_line(code, err, "round.verify.infra_retries")
 
 
+def test_keeping_fewer_samples_than_a_group_needs_is_refused(capsys, tmp_path):
+    code, err, storage = run(capsys, tmp_path, {"round": {"filter": {"keep_samples": 2, "min_scored_per_group": 3}}})
+    assert_one_line(code, err, "filter.keep_samples (2) is below filter.min_scored_per_group (3)")
+
+
 def test_the_errors_the_cli_reports_in_one_line_are_classes_that_exist():
     """The CLI names them rather than importing them (flows/cli.py, KNOWN_INPUT_ERRORS): a rename must show."""
     import importlib

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from tasks.config.base import AddedInput, Config
 
@@ -38,3 +38,12 @@ class FilterConfig(Config):
     to -1 at it (DAPO)."""
     overlong_buffer: int = Field(4, ge=1)
     """Tokens before the sampling limit over which the 'penalty' rule ramps."""
+
+    @model_validator(mode="after")
+    def _keeps_enough_to_compare(self) -> FilterConfig:
+        if self.keep_samples is not None and self.keep_samples < self.min_scored_per_group:
+            raise ValueError(
+                f"filter.keep_samples ({self.keep_samples}) is below filter.min_scored_per_group "
+                f"({self.min_scored_per_group}): no group would keep enough samples to train; raise keep_samples"
+            )
+        return self
